@@ -1,0 +1,115 @@
+"""The one commit path shared by greedy and sampled verification (and by the dflash and ar baselines).
+
+A round's verdict is ``(accepted node indices with the root first, emitted tokens with the bonus last)``.
+Committing it means: write the tokens (stopping exactly at EOS, a stop token id, a stop string or
+``max_new_tokens``, even in the middle of an accepted block), compact the target KV cache so the accepted
+nodes sit contiguously after the committed context, and keep those nodes' hidden features for the
+drafter's next pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from ddtree.errors import DDTreeError
+from ddtree.params import SamplingParams
+
+
+def compact_kv_cache(cache: DynamicCache, start: int, num_nodes: int, accepted: torch.Tensor) -> None:
+    """Keep cache slots ``start + accepted`` at ``start .. start + m`` and drop the rest of the tree.
+
+    ``accepted`` [m] int64 holds increasing node indices starting with the root (0), so slot ``start``
+    stays where it is; the gather copies before it writes, so overlapping moves are safe.
+    """
+    m = accepted.numel()
+    src = accepted + start  # [m]
+    for layer in cache.layers:
+        for kv in (layer.keys, layer.values):  # [B, kv_heads, start + N, D]
+            kv[:, :, start : start + m] = kv.index_select(2, src)
+    if num_nodes > m:
+        cache.crop(-(num_nodes - m))
+
+
+@dataclass
+class OutputState:
+    """The tokens a request has produced so far and why it stopped, if it has."""
+
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    tokenizer: object | None = None
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_text_end: int | None = None  # where the text ends when a stop string was found
+
+    def __post_init__(self) -> None:
+        if self.params.stop and self.tokenizer is None:
+            raise DDTreeError("stop strings need a tokenizer; pass stop_token_ids instead")
+        self._stop_ids = set(self.params.stop_token_ids)
+        if not self.params.ignore_eos:
+            self._stop_ids |= self.eos_token_ids
+
+    def write(self, tokens: list[int]) -> int:
+        """Append ``tokens`` up to the first stop; returns how many were taken."""
+        taken = 0
+        for token in tokens:
+            self.token_ids.append(token)
+            taken += 1
+            if token in self._stop_ids:
+                self.finish_reason = "stop"
+                break
+            if len(self.token_ids) >= self.params.max_new_tokens:
+                self.finish_reason = "length"
+                break
+        if self.params.stop:
+            self._truncate_at_stop_string(taken)
+        return taken
+
+    def _truncate_at_stop_string(self, taken: int) -> None:
+        """If a stop string appeared, keep tokens up to the one that completed it and cut the text there."""
+        first_new = len(self.token_ids) - taken
+        hit = _find_stop(self.text_upto(len(self.token_ids)), self.params.stop)
+        if hit is None:
+            return
+        for count in range(first_new + 1, len(self.token_ids) + 1):  # the token that completed it
+            if _find_stop(self.text_upto(count), self.params.stop) is not None:
+                del self.token_ids[count:]
+                break
+        self.finish_reason = "stop"
+        self.stop_text_end = _find_stop(self.text_upto(len(self.token_ids)), self.params.stop)
+
+    def text_upto(self, count: int) -> str:
+        ids = self.token_ids[:count]
+        if ids and ids[-1] in self._stop_ids:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    @property
+    def text(self) -> str:
+        text = self.text_upto(len(self.token_ids))
+        return text if self.stop_text_end is None else text[: self.stop_text_end]
+
+    def stable_text(self) -> str:
+        """Text that can be streamed now: no dangling partial character or possible stop-string prefix."""
+        text = self.text
+        if self.finish_reason is not None:
+            return text
+        text = text.rstrip("\ufffd")
+        hold = max((_overlap(text, s) for s in self.params.stop), default=0)
+        return text[: len(text) - hold]
+
+
+def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    """Index where the earliest stop string starts in ``text``, or None."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``stop``."""
+    for n in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0

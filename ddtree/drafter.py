@@ -1,0 +1,253 @@
+"""DFlash block-diffusion drafter: one non-causal pass drafts a whole block from the target's features.
+
+The block ``[bonus token, MASK x (block_size - 1)]`` is embedded with the target's own embedding. Each
+layer's attention takes queries from the block and keys/values from ``[context ; block]``, where the
+context is ``hidden_norm(fc(concat of target hidden states at target_layer_ids))`` of every committed
+token. Within the block attention is bidirectional, so every MASK position is predicted at once. The
+drafter's final hidden states go through its own ``norm`` and then the target's LM head.
+
+Context keys/values never change once computed, so each layer caches them (``DraftCache``); the
+block's keys/values live only for one pass, which is the same as appending them and cropping back.
+The checkpoint format is the public DFlash one (``DFlashDraftModel``), so checkpoints interoperate.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+from ddtree.errors import DDTreeError
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's default: spread the feature layers from layer 1 to L - 3 (the middle layer if n == 1)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def dflash_config(
+    target_config,
+    num_layers: int = 1,
+    block_size: int = 16,
+    mask_token_id: int | None = None,
+    target_layer_ids: list[int] | None = None,
+    **overrides,
+) -> Qwen3Config:
+    """A drafter config sized like ``target_config`` (hidden size, heads, vocab, rope) for training/tests."""
+    num_target_layers = target_config.num_hidden_layers
+    if target_layer_ids is None:
+        target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
+    fields = dict(
+        vocab_size=target_config.vocab_size,
+        hidden_size=target_config.hidden_size,
+        intermediate_size=target_config.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=target_config.num_attention_heads,
+        num_key_value_heads=target_config.num_key_value_heads,
+        head_dim=getattr(target_config, "head_dim", None)
+        or target_config.hidden_size // target_config.num_attention_heads,
+        rms_norm_eps=target_config.rms_norm_eps,
+        max_position_embeddings=target_config.max_position_embeddings,
+        rope_parameters=dict(
+            target_config.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}
+        ),
+    )
+    fields.update(overrides)
+    return Qwen3Config(
+        **fields,
+        architectures=["DFlashDraftModel"],
+        block_size=block_size,
+        num_target_layers=num_target_layers,
+        dflash_config={"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
+    )
+
+
+class DraftCache:
+    """Per-layer keys/values of the context features: [batch, kv_heads, context, head_dim] each."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is not None:
+            k = torch.cat((self.keys[layer], k), dim=2)
+            v = torch.cat((self.values[layer], v), dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding; x [B, heads, T, D], cos/sin [B, T, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys/values from [cached context ; new context ; block]; no causal mask."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return _rotate(k, cos, sin), v  # [B, kv_heads, t, D] each
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, S, H] block hidden states
+        ctx: torch.Tensor,  # [B, C, H] projected context features not yet cached (C may be 0)
+        rope_block: tuple[torch.Tensor, torch.Tensor],  # cos/sin [B, S, D]
+        rope_ctx: tuple[torch.Tensor, torch.Tensor],  # cos/sin [B, C, D]
+        cache: DraftCache | None,
+        mask: torch.Tensor | None,  # [B, 1, S, context + S] bool (True = attend) or None for full
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = _rotate(q, *rope_block)  # [B, heads, S, D]
+        k_ctx, v_ctx = self._kv(ctx, *rope_ctx)
+        if cache is not None:
+            k_ctx, v_ctx = cache.append(self.layer_idx, k_ctx, v_ctx)
+        k_blk, v_blk = self._kv(x, *rope_block)
+        k = torch.cat((k_ctx, k_blk), dim=2)  # [B, kv_heads, context + S, D]
+        v = torch.cat((v_ctx, v_blk), dim=2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads
+        )  # [B, heads, S, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x, ctx, rope_block, rope_ctx, cache, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_block, rope_ctx, cache, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """The DFlash draft model. Embedding and LM head are the target's and are not part of it."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        dflash = getattr(config, "dflash_config", None) or {}
+        self.config = config
+        self.block_size: int = int(config.block_size)
+        self.mask_token_id: int | None = dflash.get("mask_token_id")
+        self.target_layer_ids: list[int] = list(
+            dflash.get("target_layer_ids")
+            or default_target_layer_ids(config.num_target_layers, config.num_hidden_layers)
+        )
+        h = config.hidden_size
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=getattr(self.config, "initializer_range", 0.02))
+
+    def new_cache(self) -> DraftCache:
+        return DraftCache(len(self.layers))
+
+    def select_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Concatenate the target's hidden states after layers ``target_layer_ids``: [B, T, F * H]."""
+        return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,  # [B, S, H] target embeddings of [bonus, MASK, ...]
+        features: torch.Tensor,  # [B, C, F * H] target features of context tokens not yet in the cache
+        block_positions: torch.Tensor,  # [B, S] int64
+        ctx_positions: torch.Tensor,  # [B, C] int64
+        cache: DraftCache | None = None,
+        mask: torch.Tensor | None = None,  # [B, 1, S, context + S] bool; None = attend to everything
+    ) -> torch.Tensor:
+        """Final (normed) hidden states of the block, [B, S, H]; apply the target's LM head to get logits."""
+        ctx = self.hidden_norm(self.fc(features))  # [B, C, H]
+        rope_block = self.rotary_emb(block_embeds, block_positions)
+        rope_ctx = self.rotary_emb(ctx, ctx_positions)
+        x = block_embeds
+        for layer in self.layers:
+            x = layer(x, ctx, rope_block, rope_ctx, cache, mask)
+        return self.norm(x)
+
+    # -- checkpoint I/O in the public DFlash format ------------------------------------------------------
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = self.config.to_dict()
+        config["architectures"] = ["DFlashDraftModel"]
+        config["dflash_config"] = {
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": self.target_layer_ids,
+        }
+        (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items() if "rotary_emb" not in k}
+        save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | None = None) -> DFlashDrafter:
+        directory = Path(directory)
+        config_path, weights_path = directory / "config.json", directory / "model.safetensors"
+        if not config_path.is_file() or not weights_path.is_file():
+            raise DDTreeError(f"drafter directory {directory} must hold config.json and model.safetensors")
+        try:
+            raw = json.loads(config_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise DDTreeError(f"drafter config {config_path} is not valid JSON: {exc.msg}") from None
+        missing = [
+            k for k in ("block_size", "num_target_layers", "hidden_size", "num_hidden_layers") if k not in raw
+        ]
+        if missing:
+            raise DDTreeError(
+                f"drafter config {config_path} is not a DFlash config: missing {', '.join(missing)}"
+            )
+        raw.pop("model_type", None)
+        model = cls(Qwen3Config(**raw))
+        state = load_file(str(weights_path))
+        result = model.load_state_dict(state, strict=False)
+        missing_keys = [k for k in result.missing_keys if "rotary_emb" not in k]
+        if missing_keys or result.unexpected_keys:
+            raise DDTreeError(
+                f"drafter weights in {weights_path} do not match its config "
+                f"(missing {missing_keys[:3]}, unexpected {result.unexpected_keys[:3]})"
+            )
+        model.eval()
+        return model.to(dtype) if dtype is not None else model

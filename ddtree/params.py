@@ -1,0 +1,60 @@
+"""Sampling parameters of one request, validated once so the round loop never has to."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ddtree.errors import DDTreeError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What the user asks of the target's distribution.
+
+    ``temperature == 0`` is greedy decoding. Otherwise the target distribution is
+    ``softmax(logits / temperature)`` restricted by ``top_k`` (0 = off), ``top_p`` (1.0 = off) and
+    ``min_p`` (0.0 = off), renormalised; speculative decoding reproduces exactly that distribution.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise DDTreeError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise DDTreeError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise DDTreeError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise DDTreeError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise DDTreeError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise DDTreeError(f"seed must be an integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise DDTreeError("stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,235 @@
+"""Lossless sampling for tree verification: the target distribution and the tree rejection sampler.
+
+``tree_speculative_sampling_target_only`` is a PyTorch port of the contract of SGLang's sgl_kernel op of the
+same name, so a CUDA build can swap the kernel in. With the default thresholds (1, 1) the emitted tokens
+are distributed exactly as sampling the target autoregressively: at each node the children are tried in
+sibling order with ONE coin against the running sum of their target probabilities (an inverse-CDF draw
+restricted to the drafted tokens), and when every child is rejected the bonus token is drawn from the
+target with the rejected tokens removed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ddtree.errors import DDTreeError
+from ddtree.params import SamplingParams
+
+if TYPE_CHECKING:
+    from ddtree.tree import DraftTree, TreeRetrieve
+
+
+def target_probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution the user asked for, as float32 probabilities over the last dim.
+
+    Order (as HF generate): temperature, top-k, top-p, min-p, then renormalise. Each filter works on the
+    logits left by the previous one, exactly as HF's Temperature/TopK/TopP/MinP logits warpers do, so
+    ``do_sample=True`` in transformers and this target agree. Top-k keeps every token tied with the k-th
+    largest logit; top-p drops the least likely tokens whose total mass is <= 1 - top_p (ties broken by
+    vocab index, lower index dropped first) and always keeps the most likely one; min-p drops tokens with
+    prob < min_p * max prob. Greedy (temperature 0) has no distribution: take the argmax instead.
+    """
+    if params.greedy:
+        raise ValueError("target_probs_from_logits needs temperature > 0; greedy decoding takes the argmax")
+    scores = logits.float() / params.temperature  # [..., V]
+    if params.top_k > 0:
+        kth = torch.topk(scores, min(params.top_k, scores.shape[-1]), dim=-1).values[..., -1:]  # [..., 1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        ascending, order = torch.sort(scores, dim=-1, stable=True)  # [..., V]
+        drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1.0 - params.top_p  # [..., V] in sorted order
+        drop[..., -1] = False
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    if params.min_p > 0.0:
+        probs = scores.softmax(dim=-1)  # [..., V]
+        scores = scores.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    return scores.softmax(dim=-1)
+
+
+def _inverse_cdf(weights: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
+    """First index whose running sum of positive weights exceeds coin * total; -1 if none is positive.
+
+    When float rounding leaves the running sum at or below coin * total, the last positive index is
+    taken (as flashinfer's sampler does). weights [..., V] need not be normalised; coins [...] in [0, 1).
+    """
+    positive = weights > 0  # [..., V]
+    w = torch.where(positive, weights, 0.0)  # [..., V]
+    u = coins[..., None] * w.sum(dim=-1, keepdim=True)  # [..., 1]
+    hit = (w.cumsum(dim=-1) > u) & positive  # [..., V]
+    first = hit.int().argmax(dim=-1)  # [...] argmax returns the first maximum
+    vocab = weights.shape[-1]
+    last = vocab - 1 - positive.flip(-1).int().argmax(dim=-1)  # [...]
+    return torch.where(hit.any(dim=-1), first, torch.where(positive.any(dim=-1), last, -1))
+
+
+def sample_from_probs(probs: torch.Tensor, coin: float | torch.Tensor) -> int:
+    """Plain autoregressive sampling of probs [V] by inverse CDF, with the bonus draw's exact rule."""
+    coin_t = torch.as_tensor(coin, dtype=torch.float32, device=probs.device).reshape(1)
+    token = int(_inverse_cdf(probs.float().reshape(1, -1), coin_t)[0])
+    if token < 0:
+        raise ValueError("probs has no positive mass")
+    return token
+
+
+def tree_speculative_sampling_target_only(
+    predicts: torch.Tensor,
+    accept_index: torch.Tensor,
+    accept_token_num: torch.Tensor,
+    candidates: torch.Tensor,
+    retrive_index: torch.Tensor,
+    retrive_next_token: torch.Tensor,
+    retrive_next_sibling: torch.Tensor,
+    uniform_samples: torch.Tensor,
+    uniform_samples_for_final_sampling: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+    deterministic: bool = True,
+) -> None:
+    """Tree rejection sampling with sgl_kernel's contract; writes predicts, accept_index, accept_token_num.
+
+    Shapes: predicts [bs * N] int32, written at retrive_index slots; accept_index [bs, S] int32 (S = max
+    depth + 1, entries past the accepted path untouched); accept_token_num [bs] int32 (accepted draft
+    tokens, bonus excluded); candidates, retrive_index, retrive_next_token, retrive_next_sibling
+    [bs, N] int64 (node 0 = root); uniform_samples [bs, N] float32; uniform_samples_for_final_sampling
+    [bs] float32; target_probs, draft_probs [bs, N, V] float32. draft_probs must come in as zeros: it is
+    scratch where rejected tokens' target mass is recorded (mutated).
+
+    Per row, node x's children are tried in sibling order with the coin uniform_samples[row, x]: child c
+    with target prob p (under x's row) is accepted iff p > 0 and (coin <= running_sum / threshold_acc or
+    p >= threshold_single). The bonus token after the last accepted node is drawn with the final coin from
+    max(target - draft_probs, 0) of that node, or from its plain target row when the walk used all S - 1
+    steps. The default thresholds are lossless; lower ones accept more often and are a deliberately lossy
+    speed option. ``deterministic`` exists for signature parity: this implementation always is.
+
+    Two deliberate departures from sgl_kernel, both only reachable at float edges: the ``p > 0`` guard (the
+    kernel accepts a zero-mass first child when the coin is exactly 0), and an empty residual yields the
+    last rejected token rather than token V - 1.
+    """
+    if not (0.0 < threshold_single <= 1.0 and 0.0 < threshold_acc <= 1.0):
+        raise DDTreeError(
+            f"acceptance thresholds must be in (0, 1], got single={threshold_single!r} acc={threshold_acc!r}"
+        )
+    bs, n = candidates.shape
+    steps = accept_index.shape[1]
+    vocab = target_probs.shape[-1]
+    if target_probs.shape != (bs, n, vocab) or draft_probs.shape != target_probs.shape:
+        raise ValueError(f"target/draft probs must be [{bs}, {n}, V], got {tuple(target_probs.shape)}")
+    if target_probs.dtype != torch.float32 or draft_probs.dtype != torch.float32:
+        raise ValueError("target_probs and draft_probs must be float32")
+    if any(t.dtype != torch.int32 for t in (predicts, accept_index, accept_token_num)):
+        raise ValueError("predicts, accept_index and accept_token_num must be int32")
+    device = target_probs.device
+
+    # The walk is sequential and tiny: run it on the host with one transfer per index array.
+    cand = candidates.tolist()
+    slot = retrive_index.tolist()
+    first_child = retrive_next_token.tolist()
+    next_sibling = retrive_next_sibling.tolist()
+    # Each node's target prob under its parent's row, gathered in one op: [bs, N].
+    parent = [[0] * n for _ in range(bs)]
+    for b in range(bs):
+        for x in range(n):
+            c = first_child[b][x]
+            while c != -1:
+                parent[b][c] = x
+                c = next_sibling[b][c]
+    row_ids = torch.arange(bs, device=device)  # [bs]
+    parent_t = torch.tensor(parent, dtype=torch.int64, device=device)  # [bs, N]
+    drafted = candidates.clone()  # [bs, N]
+    drafted[:, 0] = 0  # the root's own token is never tried: gather anything in range
+    cand_probs = target_probs[row_ids[:, None], parent_t, drafted].cpu().numpy()  # [bs, N] float32
+    coins = uniform_samples.float().cpu().numpy()  # [bs, N] float32
+    single = np.float32(threshold_single)
+    acc_scale = np.float32(threshold_acc)
+
+    paths: list[list[int]] = []
+    rejected: list[tuple[int, int, int]] = []  # (row, node, token) whose mass leaves the residual
+    last_rejected = [-1] * bs
+    for b in range(bs):
+        path, cur = [0], 0
+        for _ in range(1, steps):
+            child, running = first_child[b][cur], np.float32(0.0)
+            while child != -1:
+                p = cand_probs[b, child]
+                running = running + p
+                if p > 0 and (coins[b, cur] <= running / acc_scale or p >= single):
+                    break
+                rejected.append((b, cur, cand[b][child]))
+                last_rejected[b] = cand[b][child]
+                child = next_sibling[b][child]
+            if child == -1:
+                break
+            path.append(child)
+            cur = child
+        paths.append(path)
+
+    if rejected:
+        rb, rn, rt = torch.tensor(rejected, dtype=torch.int64, device=device).unbind(1)
+        draft_probs[rb, rn, rt] = target_probs[rb, rn, rt]
+
+    # Bonus draws, vectorised over rows: [bs, V].
+    ends = torch.tensor([path[-1] for path in paths], dtype=torch.int64, device=device)  # [bs]
+    subtract = torch.tensor([len(path) < steps for path in paths], device=device)  # [bs]
+    q = target_probs[row_ids, ends]  # [bs, V]
+    residual = torch.where(subtract[:, None], (q - draft_probs[row_ids, ends]).clamp_min(0.0), q)
+    bonus = _inverse_cdf(residual, uniform_samples_for_final_sampling.float().to(device)).tolist()  # [bs]
+
+    # Node path[j] predicts the token of path[j + 1]; the last accepted node predicts the bonus.
+    slots: list[int] = []
+    tokens: list[int] = []
+    acc_rows: list[int] = []
+    acc_cols: list[int] = []
+    for b, path in enumerate(paths):
+        if bonus[b] < 0:  # no residual mass left: every token was rejected, up to rounding
+            bonus[b] = last_rejected[b] if last_rejected[b] >= 0 else vocab - 1
+        slots += [slot[b][x] for x in path]
+        tokens += [cand[b][x] for x in path[1:]] + [bonus[b]]
+        acc_rows += [b] * len(path)
+        acc_cols += range(len(path))
+    slots_t = torch.tensor(slots, dtype=torch.int64, device=predicts.device)
+    predicts[slots_t] = torch.tensor(tokens, dtype=torch.int32, device=predicts.device)
+    accept_index[acc_rows, acc_cols] = slots_t.to(device=accept_index.device, dtype=torch.int32)
+    accept_token_num.copy_(torch.tensor([len(path) - 1 for path in paths], dtype=torch.int32))
+
+
+def sample_tree(
+    tree: DraftTree,
+    retrieve: TreeRetrieve,
+    target_probs: torch.Tensor,
+    coins: torch.Tensor,
+    final_coin: float | torch.Tensor,
+) -> tuple[list[int], list[int]]:
+    """Verify one tree by rejection sampling; returns (accepted nodes from root 0, emitted tokens).
+
+    target_probs [N, V] is the target distribution after each node; coins [N] the per-node coins. The
+    tokens are the accepted draft tokens then the bonus token, so ``len(tokens) == len(nodes)`` and node
+    ``nodes[i + 1]`` holds ``tokens[i]`` -- the same shape as the greedy walk.
+    """
+    n = tree.tokens.numel()
+    device = target_probs.device
+    steps = int(tree.depths.max()) + 1
+    predicts = torch.zeros(n, dtype=torch.int32, device=device)
+    accept_index = torch.full((1, steps), -1, dtype=torch.int32, device=device)
+    accept_token_num = torch.zeros(1, dtype=torch.int32, device=device)
+    probs = target_probs.float()[None]  # [1, N, V]
+    tree_speculative_sampling_target_only(
+        predicts,
+        accept_index,
+        accept_token_num,
+        candidates=tree.tokens.to(device)[None],
+        retrive_index=torch.arange(n, device=device)[None],
+        retrive_next_token=retrieve.next_token.to(device)[None],
+        retrive_next_sibling=retrieve.next_sibling.to(device)[None],
+        uniform_samples=coins.float().to(device)[None],
+        uniform_samples_for_final_sampling=torch.as_tensor(final_coin, dtype=torch.float32).reshape(1),
+        target_probs=probs,
+        draft_probs=torch.zeros_like(probs),
+    )
+    nodes = [x for x in accept_index[0].tolist() if x >= 0]  # the accepted path fills a prefix
+    tokens = predicts.tolist()
+    return nodes, [tokens[x] for x in nodes]

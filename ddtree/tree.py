@@ -1,0 +1,124 @@
+"""DDTree draft-tree construction: the ``budget`` most probable draft prefixes, found best-first.
+
+The drafter gives one distribution per future position (a factorised draft of the next block). Under
+that factorisation a prefix's probability is the product of its per-position probabilities, so extending
+a prefix or swapping a token for a lower-ranked one never raises it. A best-first heap over rank tuples
+therefore pops prefixes in descending probability, and the first ``budget`` pops are exactly the
+``budget`` most probable prefixes (among the top-K tokens per position). Every prefix of a popped prefix
+was popped earlier, so the popped set is a tree rooted at the last accepted token.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+from ddtree.errors import DDTreeError
+
+
+@dataclass
+class DraftTree:
+    """A draft tree of N = n + 1 nodes; node 0 is the root (the last committed token)."""
+
+    tokens: torch.Tensor  # [N] int64 token of each node; tokens[0] = root_token
+    depths: torch.Tensor  # [N] int64; a node at depth d drafts block position d, root depth 0
+    parents: torch.Tensor  # [N] int64; parents[0] = -1 and parents[i] < i (nodes are in pop order)
+    logw: torch.Tensor  # [N] float32 cumulative draft log-prob of the prefix ending at the node; root 0
+    children: list[dict[int, int]]  # per node: token id -> child node index
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.numel()
+
+    @classmethod
+    def root_only(cls, root_token: int) -> DraftTree:
+        """The tree plain autoregressive decoding verifies: nothing drafted, only the bonus token."""
+        zero = torch.zeros(1, dtype=torch.int64)
+        return cls(torch.tensor([root_token]), zero, zero - 1, zero.float(), [{}])
+
+
+def build_ddtree_tree(
+    draft_logits: torch.Tensor, budget: int, topk: int | None = None, root_token: int = 0
+) -> DraftTree:
+    """Best-first tree of the ``budget`` most probable prefixes of the drafted block.
+
+    ``draft_logits`` is [L, V]: row d - 1 is the drafter's distribution for the token at depth d.
+    ``topk`` bounds the branching per depth (default and maximum: min(budget, V), which loses nothing
+    since a node's (budget + 1)-th best child can never be among the ``budget`` best prefixes).
+    Outputs are on the CPU.
+    """
+    if draft_logits.dim() != 2 or draft_logits.shape[1] < 1:
+        raise DDTreeError(f"draft_logits must be [L, V] with V >= 1, got shape {tuple(draft_logits.shape)}")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise DDTreeError(f"tree budget must be an integer >= 1, got {budget!r}")
+    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
+        raise DDTreeError(f"tree topk must be an integer >= 1 or None, got {topk!r}")
+    depth_max, vocab = draft_logits.shape
+    k = min(budget if topk is None else topk, budget, vocab)
+
+    top = torch.log_softmax(draft_logits.float(), dim=-1).topk(k, dim=-1)  # sorted descending, [L, K]
+    # One device->host transfer for both: token ids < 2**53 are exact in float64.
+    vals, ids = torch.stack((top.values.double(), top.indices.double())).cpu().tolist()  # [L][K] each
+
+    tokens, depths, parents, logw = [root_token], [0], [-1], [0.0]
+    children: list[dict[int, int]] = [{}]
+    # Entries (-score, depth, rank, parent node): the prefix is parent's prefix + the rank-th token at depth.
+    heap: list[tuple[float, int, int, int]] = [(-vals[0][0], 1, 0, 0)] if depth_max > 0 else []
+    while heap and len(tokens) <= budget:
+        neg_score, d, r, p = heapq.heappop(heap)
+        node, token = len(tokens), int(ids[d - 1][r])
+        tokens.append(token)
+        depths.append(d)
+        parents.append(p)
+        logw.append(-neg_score)
+        children.append({})
+        children[p][token] = node
+        if r + 1 < k:  # next sibling: same parent, next-ranked token
+            heapq.heappush(heap, (-(logw[p] + vals[d - 1][r + 1]), d, r + 1, p))
+        if d < depth_max:  # first child: best token at the next depth
+            heapq.heappush(heap, (neg_score - vals[d][0], d + 1, 0, node))
+
+    return DraftTree(
+        tokens=torch.tensor(tokens, dtype=torch.int64),
+        depths=torch.tensor(depths, dtype=torch.int64),
+        parents=torch.tensor(parents, dtype=torch.int64),
+        logw=torch.tensor(logw, dtype=torch.float32),
+        children=children,
+    )
+
+
+@dataclass
+class TreeRetrieve:
+    """First-child / next-sibling encoding of a tree (SGLang's retrive_next_token / retrive_next_sibling)."""
+
+    next_token: torch.Tensor  # [N] int64 first child of each node, -1 if leaf
+    next_sibling: torch.Tensor  # [N] int64 next sibling, -1 if last; siblings by descending logw
+
+
+def compile_ddtree_retrieve(parents: torch.Tensor, node_logw: torch.Tensor) -> TreeRetrieve:
+    """Encode the tree so verification tries a node's children most probable first.
+
+    ``parents`` [N] int64 (root -1, node 0) and ``node_logw`` [N] use local node indices; ties in logw
+    keep node-index order. Outputs are on ``parents.device``.
+    """
+    if parents.dim() != 1 or node_logw.shape != parents.shape or parents.numel() < 1:
+        raise DDTreeError(
+            f"parents and node_logw must be equal-length 1-D tensors with a root, got "
+            f"{tuple(parents.shape)} and {tuple(node_logw.shape)}"
+        )
+    n = parents.numel()
+    next_token = torch.full((n,), -1, dtype=torch.int64, device=parents.device)
+    next_sibling = torch.full((n,), -1, dtype=torch.int64, device=parents.device)
+    if n > 1:
+        # Two stable sorts give order by (parent asc, logw desc, index asc) over the non-root nodes.
+        nodes = torch.arange(1, n, device=parents.device)  # [n - 1]
+        nodes = nodes[torch.sort(node_logw[1:], descending=True, stable=True).indices]
+        order = nodes[torch.sort(parents[nodes], stable=True).indices]  # [n - 1]
+        par = parents[order].long()  # [n - 1]
+        same = par[1:] == par[:-1]  # [n - 2] consecutive entries are siblings
+        next_sibling[order[:-1][same]] = order[1:][same]
+        first = torch.cat((same.new_ones(1), ~same))  # [n - 1] head of each sibling group
+        next_token[par[first]] = order[first]
+    return TreeRetrieve(next_token=next_token, next_sibling=next_sibling)

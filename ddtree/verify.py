@@ -1,0 +1,56 @@
+"""Verification of a draft tree: the inputs of the ONE target forward, and the greedy walk of its result.
+
+The whole tree goes through the target as a flat sequence ``[root, node 1, ..., node n]``. Each node sits
+at position ``start + depth`` and attends to the committed context plus its own ancestors and itself, so
+its logits are exactly those the target would give after the prefix that ends at that node.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddtree.tree import DraftTree
+
+
+def ancestor_matrix(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    """[N, N] bool, entry (i, j) true iff node j is node i itself or one of its ancestors."""
+    n = parents.numel()
+    rows = torch.arange(n, device=parents.device)
+    anc = torch.eye(n, dtype=torch.bool, device=parents.device)
+    node = rows
+    for _ in range(int(depths.max())):  # climb one level per step, all nodes at once
+        node = parents.clamp(min=0)[node]
+        anc[rows, node] = True
+    return anc
+
+
+def tree_verify_inputs(
+    tree: DraftTree, start: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids [1, N], position ids [1, N] and the additive mask [1, 1, N, start + N].
+
+    ``start`` is the root's position, which is also the number of tokens in the target's KV cache.
+    """
+    n = tree.num_nodes
+    input_ids = tree.tokens.to(device).unsqueeze(0)  # [1, N]
+    position_ids = (tree.depths + start).to(device).unsqueeze(0)  # [1, N]
+    anc = ancestor_matrix(tree.parents, tree.depths)  # [N, N] built on the host, where the tree lives
+    mask = torch.zeros(n, start + n, dtype=dtype, device=device)  # context columns: all visible
+    mask[:, start:].masked_fill_(~anc.to(device), torch.finfo(dtype).min)
+    return input_ids, position_ids, mask[None, None]
+
+
+def follow_verified_tree(tree: DraftTree, target_tokens: list[int]) -> tuple[list[int], list[int]]:
+    """Greedy acceptance: walk the target's argmax down the tree from the root.
+
+    ``target_tokens[i]`` is the target's argmax after the prefix ending at node i. Returns the accepted
+    node indices (root first) and the emitted tokens (accepted drafts, then the target's bonus token).
+    """
+    nodes, tokens = [0], []
+    while True:
+        token = target_tokens[nodes[-1]]
+        tokens.append(token)
+        child = tree.children[nodes[-1]].get(token)
+        if child is None:
+            return nodes, tokens
+        nodes.append(child)

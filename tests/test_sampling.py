@@ -1,0 +1,370 @@
+"""Tree rejection sampling (sgl_kernel contract) and the target distribution (HF warper semantics)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from ddtree.errors import DDTreeError
+from ddtree.params import SamplingParams
+from ddtree.sampling import (
+    sample_from_probs,
+    sample_tree,
+    target_probs_from_logits,
+    tree_speculative_sampling_target_only,
+)
+from ddtree.tree import DraftTree, TreeRetrieve
+
+
+def make_tree(parents: list[int], tokens: list[int]) -> tuple[DraftTree, TreeRetrieve]:
+    """Tree whose siblings are tried in node-index order."""
+    n = len(parents)
+    depths = [0] * n
+    children: list[dict[int, int]] = [{} for _ in range(n)]
+    next_token, next_sibling = [-1] * n, [-1] * n
+    last_child: dict[int, int] = {}
+    for i in range(1, n):
+        p = parents[i]
+        depths[i] = depths[p] + 1
+        children[p][tokens[i]] = i
+        if p in last_child:
+            next_sibling[last_child[p]] = i
+        else:
+            next_token[p] = i
+        last_child[p] = i
+    tree = DraftTree(
+        tokens=torch.tensor(tokens),
+        depths=torch.tensor(depths),
+        parents=torch.tensor(parents),
+        logw=torch.zeros(n),
+        children=children,
+    )
+    return tree, TreeRetrieve(next_token=torch.tensor(next_token), next_sibling=torch.tensor(next_sibling))
+
+
+def one_hot_rows(vocab: int, hot: list[int]) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(hot), vocab).float()  # [N, V]
+
+
+def run_kernel(
+    trees: list[tuple[DraftTree, TreeRetrieve]],
+    target_probs: torch.Tensor,  # [bs, N, V]
+    coins: torch.Tensor,  # [bs, N]
+    final_coins: torch.Tensor,  # [bs]
+    steps: int,
+    draft_probs: torch.Tensor | None = None,
+    **thresholds: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Call the kernel on a batch of equal-size trees with SGLang's flat slots (row * N + node)."""
+    bs, n, _ = target_probs.shape
+    predicts = torch.full((bs * n,), -7, dtype=torch.int32)
+    accept_index = torch.full((bs, steps), -1, dtype=torch.int32)
+    accept_token_num = torch.full((bs,), -7, dtype=torch.int32)
+    draft_probs = torch.zeros_like(target_probs) if draft_probs is None else draft_probs
+    tree_speculative_sampling_target_only(
+        predicts,
+        accept_index,
+        accept_token_num,
+        candidates=torch.stack([t.tokens for t, _ in trees]),
+        retrive_index=torch.arange(bs * n).view(bs, n),
+        retrive_next_token=torch.stack([r.next_token for _, r in trees]),
+        retrive_next_sibling=torch.stack([r.next_sibling for _, r in trees]),
+        uniform_samples=coins,
+        uniform_samples_for_final_sampling=final_coins,
+        target_probs=target_probs,
+        draft_probs=draft_probs,
+        **thresholds,
+    )
+    return predicts, accept_index, accept_token_num, draft_probs
+
+
+# root -> 1 (tok 2) -> {3 (tok 4), 4 (tok 1)}; root -> 2 (tok 3)
+PARENTS, TOKENS = [-1, 0, 0, 1, 1], [0, 2, 3, 4, 1]
+
+
+def test_one_hot_targets_follow_the_drafted_path_whatever_the_coins():
+    tree, retrieve = make_tree(PARENTS, TOKENS)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        coins, final = torch.rand(5, generator=gen), torch.rand((), generator=gen)
+        # Root wants 3 (second child, a leaf), which then wants 5.
+        assert sample_tree(tree, retrieve, one_hot_rows(6, [3, 0, 5, 0, 0]), coins, final) == ([0, 2], [3, 5])
+        # Root wants 2, node 1 wants 1 (its second child, at the depth limit), which wants 0.
+        assert sample_tree(tree, retrieve, one_hot_rows(6, [2, 1, 0, 0, 0]), coins, final) == (
+            [0, 1, 4],
+            [2, 1, 0],
+        )
+        # Root wants 5: nothing drafted, the bonus is 5.
+        assert sample_tree(tree, retrieve, one_hot_rows(6, [5, 0, 0, 0, 0]), coins, final) == ([0], [5])
+
+
+def test_root_only_tree_samples_the_bonus_from_the_root_row():
+    tree, retrieve = make_tree([-1], [9])
+    probs = torch.tensor([[0.0, 0.25, 0.75]])
+    assert sample_tree(tree, retrieve, probs, torch.zeros(1), 0.5) == ([0], [2])
+
+
+def test_children_share_the_coin_of_their_parent_node():
+    """The kernel draws once per node (uniform_samples[row, node]), not once per level or per sibling."""
+    tree, retrieve = make_tree(PARENTS, TOKENS)
+    probs = torch.full((5, 6), 1 / 6)
+    probs[0] = torch.tensor([0.0, 0.0, 0.5, 0.5, 0.0, 0.0])
+    # coin 0.7 at the root: token 2 (running 0.5) is rejected, token 3 (running 1.0) accepted. A per-level
+    # coin (index 1 = 0.1) would accept token 2 instead.
+    coins = torch.tensor([0.7, 0.1, 0.1, 0.1, 0.1])
+    nodes, tokens = sample_tree(tree, retrieve, probs, coins, 0.0)
+    assert nodes == [0, 2] and tokens[0] == 3
+    # The coin of node 1 decides among node 1's children: running sums 1/6 (token 4) then 2/6 (token 1).
+    probs[0] = one_hot_rows(6, [2])[0]
+    for coin, expected in [(0.1, [0, 1, 3]), (0.3, [0, 1, 4]), (0.5, [0, 1])]:
+        coins = torch.tensor([0.9, coin, 0.0, 0.0, 0.0])
+        assert sample_tree(tree, retrieve, probs, coins, 0.0)[0] == expected
+
+
+def test_acceptance_compares_coin_less_or_equal_to_running_sum():
+    tree, retrieve = make_tree([-1, 0, 0], [0, 1, 2])
+    probs = torch.tensor([[0.0, 0.5, 0.5], [1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    assert sample_tree(tree, retrieve, probs, torch.tensor([0.5, 0.0, 0.0]), 0.0)[0] == [0, 1]
+    assert sample_tree(tree, retrieve, probs, torch.tensor([0.5001, 0.0, 0.0]), 0.0)[0] == [0, 2]
+
+
+def test_default_thresholds_reject_what_lowered_thresholds_accept():
+    tree, retrieve = make_tree([-1, 0], [0, 2])
+    probs = torch.tensor([[0.59, 0.0, 0.01, 0.4], [1.0, 0.0, 0.0, 0.0]])
+    coins, final = torch.tensor([[0.99, 0.0]]), torch.tensor([0.0])
+
+    def accepted(**thresholds: float) -> int:
+        return int(run_kernel([(tree, retrieve)], probs[None], coins, final, 2, **thresholds)[2][0])
+
+    assert accepted() == 0
+    assert accepted(threshold_single=1e-6) == 1  # any positive-mass child passes
+    assert accepted(threshold_single=0.02) == 0
+    assert accepted(threshold_acc=0.01) == 1  # 0.99 <= 0.01 / 0.01
+    assert accepted(threshold_acc=0.0102) == 0
+
+
+def test_zero_mass_candidates_are_never_accepted_even_with_coin_zero():
+    tree, retrieve = make_tree([-1, 0, 0], [0, 1, 2])
+    probs = torch.tensor([[0.3, 0.0, 0.7], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    for thresholds in [{}, {"threshold_single": 1e-9}, {"threshold_acc": 1e-9}]:
+        coins = torch.tensor([[0.0, 0.0, 0.0]])
+        predicts, accept_index, num, _ = run_kernel(
+            [(tree, retrieve)], probs[None], coins, torch.tensor([0.0]), 2, **thresholds
+        )
+        assert accept_index.tolist() == [[0, 2]] and num.tolist() == [1]
+        assert predicts[[0, 2]].tolist() == [2, 0]
+
+
+def test_rejection_bonus_draws_from_the_residual_without_rejected_tokens():
+    tree, retrieve = make_tree([-1, 0, 0], [0, 0, 1])
+    probs = torch.tensor([[0.3, 0.3, 0.4, 0.0], [1.0, 0, 0, 0], [1.0, 0, 0, 0]])
+    # coin 0.9 rejects both children; final coin 0 would give token 0 from the plain target row.
+    predicts, accept_index, num, draft_probs = run_kernel(
+        [(tree, retrieve)], probs[None], torch.tensor([[0.9, 0.0, 0.0]]), torch.tensor([0.0]), 2
+    )
+    assert num.tolist() == [0] and accept_index.tolist() == [[0, -1]]
+    assert predicts[0].item() == 2
+    assert draft_probs[0, 0].tolist() == pytest.approx([0.3, 0.3, 0.0, 0.0])  # the rejected mass
+    assert draft_probs[0, 1:].abs().sum() == 0
+
+
+def test_depth_limit_bonus_ignores_draft_probs_but_earlier_stop_subtracts_them():
+    """sgl_kernel subtracts draft_probs unless all num_spec_step - 1 steps were accepted."""
+    # root -> 1 (tok 1) -> 3 (tok 2); root -> 2 (tok 0, a leaf at depth 1)
+    tree, retrieve = make_tree([-1, 0, 0, 1], [0, 1, 0, 2])
+    probs = torch.tensor([[0.0, 1.0, 0, 0, 0], [0.5, 0.5, 0, 0, 0], [0.5, 0.5, 0, 0, 0], [1.0, 0, 0, 0, 0]])
+    stale = torch.zeros(1, 4, 5)
+    stale[0, 1] = probs[1]  # would leave no residual mass at node 1
+    # Two steps: node 1 ends the walk at the depth limit although it has a child; plain target draw.
+    predicts, accept_index, num, _ = run_kernel(
+        [(tree, retrieve)], probs[None], torch.zeros(1, 4), torch.tensor([0.75]), 2, draft_probs=stale.clone()
+    )
+    assert accept_index.tolist() == [[0, 1]] and predicts[[0, 1]].tolist() == [1, 1]
+    # Three steps and a stop at a leaf before the limit: draft_probs are subtracted.
+    probs[0] = torch.tensor([1.0, 0, 0, 0, 0])  # root now accepts node 2 (tok 0)
+    stale = torch.zeros(1, 4, 5)
+    stale[0, 2] = torch.tensor([0.5, 0, 0, 0, 0])
+    predicts, accept_index, num, _ = run_kernel(
+        [(tree, retrieve)], probs[None], torch.zeros(1, 4), torch.tensor([0.0]), 3, draft_probs=stale
+    )
+    assert accept_index.tolist() == [[0, 2, -1]] and predicts[[0, 2]].tolist() == [0, 1]
+
+
+def test_all_mass_rejected_falls_back_to_the_last_rejected_token():
+    tree, retrieve = make_tree([-1, 0, 0], [0, 2, 1])
+    probs = torch.tensor([[0.0, 0.25, 0.25, 0.0, 0.0], [1.0, 0, 0, 0, 0], [1.0, 0, 0, 0, 0]])  # row sums 0.5
+    predicts, _, num, _ = run_kernel(
+        [(tree, retrieve)], probs[None], torch.tensor([[0.9, 0.0, 0.0]]), torch.tensor([0.3]), 2
+    )
+    assert num.tolist() == [0] and predicts[0].item() == 1
+
+
+def test_batched_rows_with_flat_slots_match_rows_run_separately():
+    trees = [make_tree(PARENTS, TOKENS), make_tree([-1, 0, 1, 2, 0], [0, 1, 2, 3, 4])]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        probs = torch.softmax(torch.randn(2, 5, 6, generator=gen) * 2, dim=-1)
+        coins, final = torch.rand(2, 5, generator=gen), torch.rand(2, generator=gen)
+        predicts, accept_index, num, draft = run_kernel(trees, probs, coins, final, 4)
+        for b in range(2):
+            p1, a1, n1, d1 = run_kernel(
+                trees[b : b + 1], probs[b : b + 1], coins[b : b + 1], final[b : b + 1], 4
+            )
+            assert num[b] == n1[0]
+            k = int(n1[0]) + 1
+            assert accept_index[b, :k].tolist() == [b * 5 + x for x in a1[0, :k].tolist()]
+            assert predicts[accept_index[b, :k].long()].tolist() == p1[a1[0, :k].long()].tolist()
+            assert torch.equal(draft[b], d1[0])
+
+
+def test_sample_tree_returns_equal_length_nodes_and_tokens():
+    tree, retrieve = make_tree(PARENTS, TOKENS)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(20):
+        probs = torch.softmax(torch.randn(5, 6, generator=gen), dim=-1)
+        nodes, tokens = sample_tree(tree, retrieve, probs, torch.rand(5, generator=gen), torch.rand(()))
+        assert len(nodes) == len(tokens) and nodes[0] == 0
+        assert [TOKENS[x] for x in nodes[1:]] == tokens[:-1]
+        assert all(PARENTS[c] == p for p, c in zip(nodes, nodes[1:], strict=False))
+
+
+def test_thresholds_outside_unit_interval_are_rejected():
+    tree, retrieve = make_tree([-1, 0], [0, 1])
+    args = ([(tree, retrieve)], torch.full((1, 2, 2), 0.5), torch.zeros(1, 2), torch.zeros(1), 2)
+    for bad in [{"threshold_acc": 0.0}, {"threshold_single": 0.0}, {"threshold_acc": 1.5}]:
+        with pytest.raises(DDTreeError):
+            run_kernel(*args, **bad)
+
+
+def test_sample_from_probs_inverse_cdf_rule():
+    assert sample_from_probs(torch.tensor([0.0, 0.0, 0.4, 0.6]), 0.0) == 2  # first positive token
+    assert sample_from_probs(torch.tensor([0.25, 0.25, 0.5]), 0.5) == 2  # running sum must exceed u
+    assert sample_from_probs(torch.tensor([0.25, 0.25, 0.5]), 0.4999) == 1
+    assert sample_from_probs(torch.tensor([1.0, 3.0]), torch.tensor(0.3)) == 1  # unnormalised is fine
+    # u == total (a coin rounded up to 1): the last token with positive mass, not the last index.
+    assert sample_from_probs(torch.tensor([0.2, 0.3, 0.5, 0.0]), 1.0) == 2
+    with pytest.raises(ValueError):
+        sample_from_probs(torch.zeros(3), 0.5)
+
+
+# --- target distribution -------------------------------------------------------------------------------
+
+
+def hf_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    scores = TemperatureLogitsWarper(params.temperature)(None, logits.float())
+    if params.top_k > 0:
+        scores = TopKLogitsWarper(params.top_k)(None, scores)
+    if params.top_p < 1.0:
+        scores = TopPLogitsWarper(params.top_p)(None, scores)
+    if params.min_p > 0.0:
+        scores = MinPLogitsWarper(params.min_p)(None, scores)
+    return scores.softmax(dim=-1)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=0.9, min_p=0.1),
+        SamplingParams(temperature=0.6, top_k=20, top_p=0.9, min_p=0.05),
+        SamplingParams(temperature=2.0, top_k=3, top_p=0.5),
+    ],
+)
+def test_target_probs_match_hf_warpers_in_order(params: SamplingParams):
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(3)) * 3
+    ours = target_probs_from_logits(logits, params)
+    theirs = hf_probs(logits, params)
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours > 0, theirs > 0)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+
+
+def test_target_probs_keep_every_token_tied_with_the_kth_logit():
+    logits = torch.tensor([1.0, 3.0, 3.0, 2.0])
+    for k in (1, 2):
+        probs = target_probs_from_logits(logits, SamplingParams(temperature=1.0, top_k=k))
+        assert probs.tolist() == pytest.approx([0.0, 0.5, 0.5, 0.0])
+    assert (target_probs_from_logits(logits, SamplingParams(temperature=1.0, top_k=3)) > 0).tolist() == [
+        False,
+        True,
+        True,
+        True,
+    ]
+
+
+def test_target_probs_always_keep_at_least_the_top_token():
+    logits = torch.randn(3, 2, 50, generator=torch.Generator().manual_seed(4))
+    top = torch.nn.functional.one_hot(logits.argmax(-1), 50).float()
+    for params in [
+        SamplingParams(temperature=1.0, top_p=1e-9),
+        SamplingParams(temperature=1.0, min_p=1.0),
+        SamplingParams(temperature=0.5, top_k=1, top_p=1e-9, min_p=1.0),
+    ]:
+        assert torch.equal(target_probs_from_logits(logits, params), top)
+
+
+def test_target_probs_refuse_greedy():
+    with pytest.raises(ValueError):
+        target_probs_from_logits(torch.zeros(4), SamplingParams(temperature=0.0))
+
+
+# --- statistics ------------------------------------------------------------------------------------------
+
+
+def sampled_pairs(threshold_acc: float, samples: int = 20_000) -> tuple[torch.Tensor, torch.Tensor]:
+    """First two emitted tokens of many independent verifications of one tree, and their true law.
+
+    The world: Q0 [V] is the target after the prompt, Q[x] [V] the target after token x. The tree drafts
+    a, b (Q0's top two) and c after a; its rows are Q0, Q[a], Q[b], and anything for c. When a round emits
+    one token x, the second is drawn from Q[x] directly.
+    """
+    vocab = 5
+    gen = torch.Generator().manual_seed(5)
+    q0 = torch.softmax(torch.randn(vocab, generator=gen) * 0.7, dim=-1)  # [V]
+    q = torch.softmax(torch.randn(vocab, vocab, generator=gen) * 0.7, dim=-1)  # [V, V]
+    a, b = q0.topk(2).indices.tolist()
+    c = int(q[a].argmax())
+    tree = make_tree([-1, 0, 0, 1], [0, a, b, c])
+    rows = torch.stack([q0, q[a], q[b], torch.full((vocab,), 1 / vocab)])  # [N, V]
+    predicts, accept_index, num, _ = run_kernel(
+        [tree] * samples,
+        rows.expand(samples, -1, -1).contiguous(),
+        torch.rand(samples, 4, generator=gen),
+        torch.rand(samples, generator=gen),
+        3,
+        threshold_acc=threshold_acc,
+    )
+    first = predicts[accept_index[:, 0].long()].long()  # [samples]
+    follow = torch.multinomial(q[first], 1, generator=gen)[:, 0]  # [samples]
+    second = torch.where(num >= 1, predicts[accept_index[:, 1].long().clamp_min(0)].long(), follow)
+    observed = torch.bincount(first * vocab + second, minlength=vocab * vocab).double()  # [V * V]
+    expected = (q0[:, None] * q).flatten().double() * samples  # [V * V]
+    return observed, expected
+
+
+def chi2_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    return float(
+        chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue
+    )
+
+
+def test_emitted_tokens_follow_the_target_distribution():
+    observed, expected = sampled_pairs(threshold_acc=1.0)
+    assert chi2_p(observed.view(5, 5).sum(1), expected.view(5, 5).sum(1)) > 1e-3  # first token
+    assert chi2_p(observed, expected) > 1e-3  # first two tokens
+
+
+def test_lossy_threshold_fails_the_same_distribution_check():
+    """Accepting when coin <= 1.2 * running sum biases the output; the check must notice."""
+    observed, expected = sampled_pairs(threshold_acc=1 / 1.2)
+    assert chi2_p(observed.view(5, 5).sum(1), expected.view(5, 5).sum(1)) < 1e-6
+    assert chi2_p(observed, expected) < 1e-6

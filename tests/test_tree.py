@@ -1,0 +1,200 @@
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from ddtree.errors import DDTreeError
+from ddtree.tree import DraftTree, build_ddtree_tree, compile_ddtree_retrieve
+
+CASES = [
+    # (L, V, budget, topk)
+    (1, 2, 1, None),
+    (1, 5, 3, None),
+    (1, 5, 30, 2),
+    (2, 3, 4, None),
+    (2, 4, 30, None),
+    (3, 3, 7, 2),
+    (3, 5, 12, None),
+    (3, 6, 20, 3),
+    (4, 2, 9, None),
+    (4, 3, 25, None),
+    (4, 4, 30, 2),
+    (4, 6, 17, 1),
+]
+
+
+def _prefixes(tree: DraftTree) -> dict[tuple[int, ...], float]:
+    """Token prefix (root excluded) of every non-root node -> its logw."""
+    tokens, parents, logw = tree.tokens.tolist(), tree.parents.tolist(), tree.logw.tolist()
+    out = {}
+    for i in range(1, tree.num_nodes):
+        prefix, j = [], i
+        while j != 0:
+            prefix.append(tokens[j])
+            j = parents[j]
+        out[tuple(reversed(prefix))] = logw[i]
+    return out
+
+
+def _brute_force(logits: torch.Tensor, budget: int, topk: int | None) -> dict[tuple[int, ...], float]:
+    """Score every prefix over the top-K tokens per depth and keep the ``budget`` best."""
+    depth_max, vocab = logits.shape
+    k = min(budget if topk is None else topk, vocab)
+    logp = torch.log_softmax(logits.double(), dim=-1)  # [L, V]
+    allowed = [logp[d].topk(k).indices.tolist() for d in range(depth_max)]
+    scored = {}
+    for length in range(1, depth_max + 1):
+        for prefix in itertools.product(*allowed[:length]):
+            scored[prefix] = sum(logp[d, t].item() for d, t in enumerate(prefix))
+    best = sorted(scored, key=scored.get, reverse=True)[:budget]
+    return {p: scored[p] for p in best}
+
+
+def _num_prefixes(depth_max: int, k: int) -> int:
+    return sum(k**length for length in range(1, depth_max + 1))
+
+
+def _check_structure(tree: DraftTree, root_token: int) -> None:
+    tokens, depths, parents = tree.tokens.tolist(), tree.depths.tolist(), tree.parents.tolist()
+    assert tokens[0] == root_token and depths[0] == 0 and parents[0] == -1
+    assert tree.logw[0].item() == 0.0
+    assert len(tree.children) == tree.num_nodes
+    for t in (tree.tokens, tree.depths, tree.parents):
+        assert t.dtype == torch.int64 and t.device.type == "cpu" and t.shape == (tree.num_nodes,)
+    assert tree.logw.dtype == torch.float32 and tree.logw.shape == (tree.num_nodes,)
+    expected_children: list[dict[int, int]] = [{} for _ in range(tree.num_nodes)]
+    for i in range(1, tree.num_nodes):
+        p = parents[i]
+        assert 0 <= p < i
+        assert depths[i] == depths[p] + 1
+        assert tokens[i] not in expected_children[p], "two siblings share a token"
+        expected_children[p][tokens[i]] = i
+        assert tree.logw[i] <= tree.logw[p]
+    assert tree.children == expected_children
+
+
+@pytest.mark.parametrize("depth_max,vocab,budget,topk", CASES)
+def test_tree_is_the_budget_most_probable_prefixes(depth_max, vocab, budget, topk):
+    gen = torch.Generator().manual_seed(1000 * depth_max + 10 * vocab + budget)
+    logits = torch.randn(depth_max, vocab, generator=gen) * 2.0
+    tree = build_ddtree_tree(logits, budget, topk=topk, root_token=7)
+    got, want = _prefixes(tree), _brute_force(logits, budget, topk)
+    assert set(got) == set(want)
+    keys = sorted(want)
+    assert torch.allclose(
+        torch.tensor([got[p] for p in keys]), torch.tensor([want[p] for p in keys]), atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("depth_max,vocab,budget,topk", CASES)
+def test_tree_structure_invariants(depth_max, vocab, budget, topk):
+    gen = torch.Generator().manual_seed(7 + depth_max * vocab + budget)
+    logits = torch.randn(depth_max, vocab, generator=gen)
+    tree = build_ddtree_tree(logits, budget, topk=topk, root_token=123)
+    _check_structure(tree, root_token=123)
+    k = min(budget if topk is None else topk, vocab)
+    assert tree.num_nodes == min(budget, _num_prefixes(depth_max, k)) + 1
+
+
+def test_budget_beyond_all_prefixes_returns_all_of_them():
+    logits = torch.randn(3, 3, generator=torch.Generator().manual_seed(0))
+    tree = build_ddtree_tree(logits, budget=1000)
+    all_prefixes = {p for n in range(1, 4) for p in itertools.product(range(3), repeat=n)}
+    assert set(_prefixes(tree)) == all_prefixes
+    assert tree.num_nodes == 3 + 9 + 27 + 1
+
+
+def test_topk_larger_than_vocab_is_clamped():
+    logits = torch.randn(2, 3, generator=torch.Generator().manual_seed(1))
+    tree = build_ddtree_tree(logits, budget=50, topk=10)
+    assert tree.num_nodes == 3 + 9 + 1
+
+
+def test_topk_one_gives_a_greedy_chain():
+    logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(2))
+    greedy = logits.argmax(-1).tolist()
+    for budget in (1, 3, 5, 9):
+        tree = build_ddtree_tree(logits, budget, topk=1)
+        n = min(budget, 5)
+        assert tree.parents.tolist() == [-1] + list(range(n))
+        assert tree.depths.tolist() == list(range(n + 1))
+        assert tree.tokens[1:].tolist() == greedy[:n]
+
+
+def test_low_precision_logits_are_accepted():
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(3)).bfloat16()
+    tree = build_ddtree_tree(logits, budget=8)
+    _check_structure(tree, root_token=0)
+    assert tree.num_nodes == 9
+
+
+@pytest.mark.parametrize("budget", [0, -1, 2.0, True, None])
+def test_bad_budget_raises(budget):
+    with pytest.raises(DDTreeError):
+        build_ddtree_tree(torch.zeros(2, 4), budget)
+
+
+@pytest.mark.parametrize("topk", [0, -3, 1.5, False])
+def test_bad_topk_raises(topk):
+    with pytest.raises(DDTreeError):
+        build_ddtree_tree(torch.zeros(2, 4), 4, topk=topk)
+
+
+@pytest.mark.parametrize("shape", [(4,), (2, 0), (1, 2, 3)])
+def test_bad_logits_shape_raises(shape):
+    with pytest.raises(DDTreeError):
+        build_ddtree_tree(torch.zeros(shape), 4)
+
+
+def _walk(next_token: list[int], next_sibling: list[int]) -> list[int]:
+    """Depth-first walk from the root, the way the verification kernel descends."""
+    visited, stack = [], [next_token[0]] if next_token[0] != -1 else []
+    while stack:
+        node = stack.pop()
+        visited.append(node)
+        if next_sibling[node] != -1:
+            stack.append(next_sibling[node])
+        if next_token[node] != -1:
+            stack.append(next_token[node])
+    return visited
+
+
+@pytest.mark.parametrize("depth_max,vocab,budget,topk", CASES)
+def test_retrieve_encodes_every_node_once_with_siblings_by_descending_logw(depth_max, vocab, budget, topk):
+    logits = torch.randn(depth_max, vocab, generator=torch.Generator().manual_seed(budget))
+    tree = build_ddtree_tree(logits, budget, topk=topk)
+    ret = compile_ddtree_retrieve(tree.parents, tree.logw)
+    next_token, next_sibling = ret.next_token.tolist(), ret.next_sibling.tolist()
+    assert ret.next_token.dtype == ret.next_sibling.dtype == torch.int64
+    assert sorted(_walk(next_token, next_sibling)) == list(range(1, tree.num_nodes))
+    assert next_sibling[0] == -1
+    logw = tree.logw.tolist()
+    for node in range(tree.num_nodes):
+        chain, child = [], next_token[node]
+        while child != -1:
+            chain.append(child)
+            child = next_sibling[child]
+        assert sorted(chain) == sorted(tree.children[node].values())
+        assert all(logw[a] >= logw[b] for a, b in itertools.pairwise(chain))
+        if not tree.children[node]:
+            assert next_token[node] == -1
+
+
+def test_retrieve_breaks_logw_ties_by_node_index():
+    parents = torch.tensor([-1, 0, 0, 0, 1, 1, 2])
+    logw = torch.tensor([0.0, -1.0, -0.5, -1.0, -2.0, -2.0, -3.0])
+    ret = compile_ddtree_retrieve(parents, logw)
+    assert ret.next_token.tolist() == [2, 4, 6, -1, -1, -1, -1]
+    assert ret.next_sibling.tolist() == [-1, 3, 1, -1, 5, -1, -1]
+
+
+def test_retrieve_of_root_only_tree_is_empty():
+    ret = compile_ddtree_retrieve(torch.tensor([-1]), torch.tensor([0.0]))
+    assert ret.next_token.tolist() == [-1] and ret.next_sibling.tolist() == [-1]
+
+
+def test_retrieve_rejects_mismatched_shapes():
+    with pytest.raises(DDTreeError):
+        compile_ddtree_retrieve(torch.tensor([-1, 0]), torch.tensor([0.0]))

@@ -33,6 +33,20 @@ METHODS = ("ddtree", "dflash", "ar")
 STAGES = ("draft", "tree", "compile", "verify", "commit")
 
 
+def check_engine_options(
+    method: str, budget: int, topk: int | None, has_drafter: bool
+) -> tuple[str, int, int | None]:
+    if method not in METHODS:
+        raise DDTreeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if method != "ar" and not has_drafter:
+        raise DDTreeError(f"method {method!r} needs a drafter; pass one or use method 'ar'")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise DDTreeError(f"budget must be an integer >= 1, got {budget!r}")
+    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
+        raise DDTreeError(f"topk must be an integer >= 1, got {topk!r}")
+    return method, budget, topk
+
+
 @dataclass
 class GenerationStats:
     """What a response cost. ``acceptance_lengths`` has one entry per round: accepted drafts + 1."""
@@ -122,7 +136,7 @@ class Engine:
         self.tokenizer = tokenizer
         if self.drafter is not None:
             check_pair(target, self.drafter)
-        self.method, self.budget, self.topk = self._check_method(method, budget, topk)
+        self.method, self.budget, self.topk = check_engine_options(method, budget, topk, drafter is not None)
         self.device = next(target.parameters()).device
         self.dtype = next(target.parameters()).dtype
         self.embed = target.get_input_embeddings()
@@ -141,22 +155,12 @@ class Engine:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> Engine:
+        check_engine_options(method, budget, topk, drafter_dir is not None)  # fail before loading weights
         target, tokenizer = load_target(target_dir, device=device, dtype=dtype)
         drafter = (
             load_drafter(drafter_dir).to(device=device, dtype=dtype) if drafter_dir is not None else None
         )
         return cls(target, drafter, tokenizer, method=method, budget=budget, topk=topk)
-
-    def _check_method(self, method: str, budget: int, topk: int | None) -> tuple[str, int, int | None]:
-        if method not in METHODS:
-            raise DDTreeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-        if method != "ar" and self.drafter is None:
-            raise DDTreeError(f"method {method!r} needs a drafter; pass one or use method 'ar'")
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise DDTreeError(f"budget must be an integer >= 1, got {budget!r}")
-        if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
-            raise DDTreeError(f"topk must be an integer >= 1, got {topk!r}")
-        return method, budget, topk
 
     # -- public API -------------------------------------------------------------------------------------
 
@@ -184,14 +188,17 @@ class Engine:
     ) -> Iterator[StreamDelta]:
         """Yield one delta per round until the request finishes (the last one carries finish_reason)."""
         params = params or SamplingParams()
-        method, budget, topk = self._check_method(
-            method or self.method, budget or self.budget, topk if topk is not None else self.topk
+        method, budget, topk = check_engine_options(
+            method or self.method,
+            self.budget if budget is None else budget,
+            self.topk if topk is None else topk,
+            self.drafter is not None,
         )
         prompt_ids = self.encode(prompt)
         if len(prompt_ids) + params.max_new_tokens > self.max_positions:
             raise DDTreeError(
-                f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds the "
-                f"model's context of {self.max_positions} tokens"
+                f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
+                f"exceeds the model's context of {self.max_positions} tokens"
             )
         output = OutputState(params, self.eos_token_ids, self.tokenizer)
         return self._stream(prompt_ids, params, method, budget, topk, output)

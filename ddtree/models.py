@@ -71,7 +71,8 @@ def check_pair(target, drafter: DFlashDrafter) -> None:
         raise DDTreeError(f"drafter vocabulary {dc.vocab_size} does not match the target's {vocab}")
     if dc.num_target_layers != tc.num_hidden_layers:
         raise DDTreeError(
-            f"drafter was trained for a {dc.num_target_layers}-layer target; this target has {tc.num_hidden_layers}"
+            f"drafter was trained for a {dc.num_target_layers}-layer target; "
+            f"this target has {tc.num_hidden_layers}"
         )
     bad = [i for i in drafter.target_layer_ids if not 0 <= i < tc.num_hidden_layers]
     if bad:

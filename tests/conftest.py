@@ -1,0 +1,46 @@
+"""Tiny randomly initialised models, built in-process: the real HF classes, small enough for CI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from ddtree.drafter import DFlashDrafter, dflash_config
+
+VOCAB = 32
+MASK = VOCAB - 1
+
+
+def tiny_target(arch: str = "qwen3", vocab: int = VOCAB, seed: int = 0, init: float = 0.3):
+    """A 4-layer target whose greedy continuations vary (a large init avoids one repeated token)."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        initializer_range=init,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    if arch == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(**common)).eval()
+    return LlamaForCausalLM(LlamaConfig(**common)).eval()
+
+
+def tiny_drafter(target, block_size: int = 8, num_layers: int = 2, seed: int = 1) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    config = dflash_config(target.config, num_layers=num_layers, block_size=block_size, mask_token_id=MASK)
+    return DFlashDrafter(config).eval()
+
+
+@pytest.fixture(scope="session", params=["qwen3", "llama"])
+def pair(request):
+    target = tiny_target(request.param)
+    return target, tiny_drafter(target)

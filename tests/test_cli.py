@@ -1,0 +1,144 @@
+"""The ``ddtree`` command, run as a real process on real saved checkpoints and a real tokenizer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from ddtree.engine import Engine
+from ddtree.params import SamplingParams
+from tests.conftest import tiny_drafter, tiny_target
+
+TEXT = (
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 4
+)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """A saved target + tokenizer directory and a saved drafter directory."""
+    root = tmp_path_factory.mktemp("models")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|mask|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator([TEXT], trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+    target = tiny_target(vocab=len(tokenizer))
+    target.config.max_position_embeddings = 64
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    drafter = tiny_drafter(target)
+    drafter.mask_token_id = tokenizer.convert_tokens_to_ids("<|mask|>")
+    drafter.save_pretrained(root / "drafter")
+    return root / "target", root / "drafter"
+
+
+def ddtree(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ddtree.cli", *map(str, args)], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_generate_streams_the_engines_greedy_text_and_prints_stats(model_dirs):
+    target_dir, drafter_dir = model_dirs
+    prompt = "def fib"
+    run = ddtree("generate", prompt, "--target", target_dir, "--drafter", drafter_dir, "--max-new-tokens", 20,
+                 "--budget", 16, "--stats")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    engine = Engine.from_pretrained(target_dir, drafter_dir, budget=16)
+    expected = engine.generate(prompt, SamplingParams(max_new_tokens=20))
+    assert run.stdout == prompt + expected.text + "\n"
+    stats = json.loads(run.stderr[run.stderr.index("{") :])
+    assert stats["method"] == "ddtree" and stats["rounds"] >= 1 and stats["tau"] >= 1.0
+    assert set(stats["stage_seconds"]) == {"draft", "tree", "compile", "verify", "commit"}
+
+
+def test_sampled_generation_with_a_seed_repeats(model_dirs):
+    target_dir, drafter_dir = model_dirs
+    args = ("generate", "def", "--target", target_dir, "--drafter", drafter_dir, "--temperature", "0.9",
+            "--top-p", "0.9", "--top-k", "20", "--seed", "7", "--max-new-tokens", "16")  # fmt: skip
+    first, second = ddtree(*args), ddtree(*args)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--target", "/nonexistent/model"], "does not exist"),
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--top-k", "-2"], "top_k"),
+        (["--budget", "0"], "budget"),
+        (["--max-new-tokens", "500"], "context"),
+        (["--method", "beam"], "invalid choice"),
+        (["--no-such-flag"], "unrecognized arguments"),
+    ],
+)
+def test_bad_input_gives_one_line_and_exit_code_2(model_dirs, args, message):
+    target_dir, drafter_dir = model_dirs
+    base = ["generate", "def", "--target", target_dir, "--drafter", drafter_dir]
+    if args[0] == "--target":
+        base = ["generate", "def", "--drafter", drafter_dir]
+    run = ddtree(*base, *args)
+    assert run.returncode == 2
+    assert run.stdout == ""
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddtree: error:") and message in lines[0], run.stderr
+
+
+def test_drafter_for_another_target_is_refused(model_dirs, tmp_path):
+    target_dir, _ = model_dirs
+    other = tiny_target(vocab=50)
+    tiny_drafter(other).save_pretrained(tmp_path)
+    run = ddtree("generate", "def", "--target", target_dir, "--drafter", tmp_path)
+    assert run.returncode == 2
+    assert "vocabulary" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_not_a_drafter_directory_is_refused(model_dirs):
+    target_dir, _ = model_dirs
+    run = ddtree("generate", "def", "--target", target_dir, "--drafter", target_dir)
+    assert run.returncode == 2
+    assert "not a DFlash checkpoint" in run.stderr
+
+
+def test_target_without_drafter_needs_method_ar(model_dirs):
+    target_dir, _ = model_dirs
+    run = ddtree("generate", "def", "--target", target_dir)
+    assert run.returncode == 2 and "needs --drafter" in run.stderr
+    run = ddtree("generate", "def", "--target", target_dir, "--method", "ar", "--max-new-tokens", "5")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("def")
+
+
+def test_engine_rejects_bad_values_with_ddtree_error():
+    from ddtree.errors import DDTreeError
+
+    target = tiny_target()
+    with pytest.raises(DDTreeError, match="method"):
+        Engine(target, tiny_drafter(target), method="medusa")
+    with pytest.raises(DDTreeError, match="needs a drafter"):
+        Engine(target, None, method="ddtree")
+    engine = Engine(target, None, method="ar")
+    with pytest.raises(DDTreeError, match="empty"):
+        engine.generate([], SamplingParams())
+    with pytest.raises(DDTreeError, match="token ids"):
+        engine.generate([10_000], SamplingParams())
+    with pytest.raises(DDTreeError, match="tokenizer"):
+        engine.generate("text", SamplingParams())
+    for bad in ({"temperature": float("nan")}, {"top_p": 0.0}, {"min_p": 2.0}, {"max_new_tokens": 0}):
+        with pytest.raises(DDTreeError):
+            SamplingParams(**bad)
+    assert torch.is_grad_enabled()

@@ -1,0 +1,104 @@
+"""The DFlash drafter: checkpoint format, round trip, default feature layers, pairing checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ddtree.drafter import DFlashDrafter, default_target_layer_ids, dflash_config
+from ddtree.engine import Engine
+from ddtree.errors import DDTreeError
+from tests.conftest import MASK, tiny_drafter, tiny_target
+
+
+def drafter_outputs(drafter: DFlashDrafter, target) -> torch.Tensor:
+    torch.manual_seed(0)
+    block = torch.tensor([[3] + [MASK] * (drafter.block_size - 1)])
+    features = torch.randn(1, 5, len(drafter.target_layer_ids) * target.config.hidden_size)
+    with torch.inference_mode():
+        return drafter(
+            target.get_input_embeddings()(block),
+            features,
+            block_positions=torch.arange(5, 5 + drafter.block_size)[None],
+            ctx_positions=torch.arange(5)[None],
+            cache=drafter.new_cache(),
+        )
+
+
+def test_save_then_load_gives_identical_outputs(tmp_path):
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    drafter.save_pretrained(tmp_path)
+    loaded = DFlashDrafter.from_pretrained(tmp_path)
+    torch.testing.assert_close(
+        drafter_outputs(loaded, target), drafter_outputs(drafter, target), rtol=0, atol=0
+    )
+
+
+def test_checkpoint_uses_the_public_dflash_format(tmp_path):
+    target = tiny_target()
+    tiny_drafter(target, num_layers=2).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["block_size"] == 8 and config["num_target_layers"] == 4
+    assert config["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": [1, 1]}
+    keys = set(load_file(str(tmp_path / "model.safetensors")))
+    per_layer = [
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+        "input_layernorm.weight", "post_attention_layernorm.weight",
+    ]  # fmt: skip
+    expected = {f"layers.{i}.{k}" for i in range(2) for k in per_layer} | {
+        "fc.weight", "hidden_norm.weight", "norm.weight"
+    }  # fmt: skip
+    assert keys == expected
+
+
+@pytest.mark.parametrize(
+    ("target_layers", "draft_layers", "expected"),
+    [(36, 5, [1, 9, 17, 25, 33]), (28, 1, [14]), (4, 2, [1, 1]), (32, 3, [1, 15, 29])],
+)
+def test_default_target_layer_ids_follow_dflash(target_layers, draft_layers, expected):
+    assert default_target_layer_ids(target_layers, draft_layers) == expected
+
+
+def test_context_cache_equals_recomputing_the_context():
+    """Feeding the context in two chunks through the cache equals feeding it at once."""
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    torch.manual_seed(0)
+    features = torch.randn(1, 9, drafter.fc.in_features)
+    block = target.get_input_embeddings()(torch.tensor([[3] + [MASK] * 7]))
+    positions = torch.arange(9, 17)[None]
+    with torch.inference_mode():
+        whole = drafter(block, features, positions, torch.arange(9)[None], cache=drafter.new_cache())
+        cache = drafter.new_cache()
+        drafter(block, features[:, :4], torch.arange(4, 12)[None], torch.arange(4)[None], cache=cache)
+        chunked = drafter(block, features[:, 4:], positions, torch.arange(4, 9)[None], cache=cache)
+    assert cache.length == 9
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
+
+
+def mismatched(target, **overrides) -> DFlashDrafter:
+    fields = {"num_layers": 1, "block_size": 8, "mask_token_id": MASK} | overrides
+    return DFlashDrafter(dflash_config(target.config, **fields))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"hidden_size": 32}, "hidden size"),
+        ({"vocab_size": 64}, "vocabulary"),
+        ({"target_layer_ids": [7]}, "outside the target"),
+        ({"mask_token_id": None}, "mask_token_id"),
+        ({"mask_token_id": 999}, "mask_token_id"),
+    ],
+)
+def test_drafter_that_does_not_fit_the_target_is_refused(overrides, message):
+    target = tiny_target()
+    with pytest.raises(DDTreeError, match=message):
+        Engine(target, mismatched(target, **overrides))

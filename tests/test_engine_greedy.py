@@ -1,0 +1,140 @@
+"""Greedy decoding is lossless: every method emits exactly the target's own greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from ddtree.commit import compact_kv_cache
+from ddtree.engine import Engine
+from ddtree.params import SamplingParams
+from ddtree.tree import build_ddtree_tree
+from ddtree.verify import tree_verify_inputs
+
+PROMPTS = [[1, 5, 9, 22, 3], [7], [30, 2, 2, 14, 8, 19, 25, 11, 4, 0, 6, 13]]
+NEW = 40
+
+
+def hf_greedy(target, prompt: list[int], new: int, eos: int | None = None) -> list[int]:
+    out = target.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def round_spans(result) -> list[tuple[int, int]]:
+    """[begin, end) of the tokens each round emitted; the prefill token is its own span."""
+    spans, pos = [(0, 1)], 1
+    for length in result.stats.acceptance_lengths:
+        spans.append((pos, min(pos + length, len(result.token_ids))))
+        pos += length
+    return spans
+
+
+def test_greedy_matches_plain_decoding(pair):
+    target, drafter = pair
+    configs = [("ar", 1, None), ("dflash", 1, None)]
+    configs += [("ddtree", b, k) for b in (1, 4, 16, 64, 256) for k in (1, 4, None)]
+    params = SamplingParams(max_new_tokens=NEW)
+    accepted_more_than_one = 0
+    for prompt in PROMPTS:
+        reference = hf_greedy(target, prompt, NEW)
+        for method, budget, topk in configs:
+            engine = Engine(target, drafter, method=method, budget=budget, topk=topk)
+            result = engine.generate(prompt, params)
+            assert result.token_ids == reference, (method, budget, topk, prompt)
+            assert result.finish_reason == "length"
+            accepted_more_than_one += sum(n > 1 for n in result.stats.acceptance_lengths)
+    assert accepted_more_than_one > 50  # the tree path was exercised, not just the bonus token
+
+
+def test_stop_token_inside_accepted_block_ends_generation_there(pair):
+    target, drafter = pair
+    engine = Engine(target, drafter, method="ddtree", budget=256)
+    checked = 0
+    for prompt in PROMPTS:
+        full = engine.generate(prompt, SamplingParams(max_new_tokens=NEW))
+        for begin, end in round_spans(full)[1:]:
+            for pos in range(begin, end - 1):  # not the round's last token: strictly inside the block
+                token = full.token_ids[pos]
+                if token in full.token_ids[:pos]:
+                    continue
+                result = engine.generate(prompt, SamplingParams(max_new_tokens=NEW, stop_token_ids=(token,)))
+                assert result.token_ids == full.token_ids[: pos + 1]
+                assert result.finish_reason == "stop"
+                assert result.token_ids == hf_greedy(target, prompt, NEW, eos=token)
+                checked += 1
+    assert checked >= 3
+
+
+def test_max_new_tokens_ending_mid_block_is_exact(pair):
+    target, drafter = pair
+    engine = Engine(target, drafter, method="ddtree", budget=256)
+    checked = 0
+    for prompt in PROMPTS:
+        full = engine.generate(prompt, SamplingParams(max_new_tokens=NEW))
+        for begin, end in round_spans(full)[1:]:
+            if end - begin < 2:
+                continue
+            limit = begin + 1  # ends after the first token of a multi-token round
+            result = engine.generate(prompt, SamplingParams(max_new_tokens=limit))
+            assert result.token_ids == full.token_ids[:limit]
+            assert result.finish_reason == "length"
+            assert sum(result.stats.acceptance_lengths) + 1 > limit  # the last round was cut
+            checked += 1
+    assert checked >= 3
+
+
+def test_stream_deltas_add_up_to_the_result(pair):
+    target, drafter = pair
+    engine = Engine(target, drafter, method="ddtree", budget=16)
+    deltas = list(engine.stream(PROMPTS[0], SamplingParams(max_new_tokens=NEW)))
+    assert [t for d in deltas for t in d.token_ids] == hf_greedy(target, PROMPTS[0], NEW)
+    assert [d.finish_reason for d in deltas[:-1]] == [None] * (len(deltas) - 1)
+    assert deltas[-1].finish_reason == "length"
+
+
+def test_kv_compaction_leaves_the_cache_of_a_fresh_forward(pair):
+    """After committing a round, the next logits equal a from-scratch forward over the committed tokens."""
+    target, drafter = pair
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.tensor([PROMPTS[2]])
+    with torch.inference_mode():
+        cache = DynamicCache(config=target.config)
+        root = int(target(prompt, cache=cache).logits[0, -1].argmax())
+        start = prompt.shape[1]
+        # A random tree; keep its deepest root path so the kept slots are scattered through the tree block
+        draft_logits = torch.randn(7, target.config.vocab_size, generator=generator)
+        tree = build_ddtree_tree(draft_logits, 64, root_token=root)
+        ids, positions, mask = tree_verify_inputs(tree, start, torch.device("cpu"), torch.float32)
+        target(ids, position_ids=positions, attention_mask=mask, cache=cache)
+        deepest = int(tree.depths.argmax())
+        path = [deepest]
+        while path[-1] != 0:
+            path.append(int(tree.parents[path[-1]]))
+        kept = path[::-1]
+        compact_kv_cache(cache, start, tree.num_nodes, torch.tensor(kept))
+        assert cache.get_seq_length() == start + len(kept)
+        committed = prompt[0].tolist() + tree.tokens[kept].tolist()
+        nxt = 3
+        step = target(torch.tensor([[nxt]]), cache=cache).logits[0, -1]
+        fresh = target(torch.tensor([committed + [nxt]])).logits[0, -1]
+    assert len(kept) >= 3 and kept[-1] > len(kept)  # a real gather, not a prefix of the tree block
+    torch.testing.assert_close(step, fresh, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+def test_seeded_sampled_request_is_reproducible(pair, method):
+    target, drafter = pair
+    engine = Engine(target, drafter, method=method, budget=16)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=24, seed=1234)
+    first = engine.generate(PROMPTS[0], params).token_ids
+    assert engine.generate(PROMPTS[0], params).token_ids == first
+    other = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=24, seed=4321)
+    assert engine.generate(PROMPTS[0], other).token_ids != first

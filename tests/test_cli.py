@@ -8,32 +8,17 @@ import sys
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from ddtree.engine import Engine
 from ddtree.params import SamplingParams
-from tests.conftest import tiny_drafter, tiny_target
-
-TEXT = (
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 4
-)
+from tests.conftest import tiny_drafter, tiny_target, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     """A saved target + tokenizer directory and a saved drafter directory."""
     root = tmp_path_factory.mktemp("models")
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|mask|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    bpe.train_from_iterator([TEXT], trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+    tokenizer = tiny_tokenizer()
     target = tiny_target(vocab=len(tokenizer))
     target.config.max_position_embeddings = 64
     target.save_pretrained(root / "target")

@@ -34,6 +34,28 @@ def compact_kv_cache(cache: DynamicCache, start: int, num_nodes: int, accepted: 
 
 
 @dataclass
+class TokenLogprobs:
+    """The target's own log-probabilities at one emitted position (raw logits, before sampling transforms)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the ``n`` most probable tokens, most probable first
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], n: int) -> list[TokenLogprobs]:
+    """Logprobs of ``tokens`` under ``logits`` [len(tokens), V], row i being the distribution of token i."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [m, V]
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    top = logp.topk(n, dim=-1) if n > 0 else None
+    top_ids = top.indices.tolist() if top is not None else [[] for _ in tokens]
+    top_vals = top.values.tolist() if top is not None else [[] for _ in tokens]
+    return [
+        TokenLogprobs(t, c, list(zip(ids, vals, strict=True)))
+        for t, c, ids, vals in zip(tokens, chosen, top_ids, top_vals, strict=True)
+    ]
+
+
+@dataclass
 class OutputState:
     """The tokens a request has produced so far and why it stopped, if it has."""
 
@@ -41,6 +63,7 @@ class OutputState:
     eos_token_ids: frozenset[int]
     tokenizer: object | None = None
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # aligned with token_ids when requested
     finish_reason: str | None = None
     stop_text_end: int | None = None  # where the text ends when a stop string was found
 
@@ -51,11 +74,13 @@ class OutputState:
         if not self.params.ignore_eos:
             self._stop_ids |= self.eos_token_ids
 
-    def write(self, tokens: list[int]) -> int:
-        """Append ``tokens`` up to the first stop; returns how many were taken."""
+    def write(self, tokens: list[int], logprobs: list[TokenLogprobs] | None = None) -> int:
+        """Append ``tokens`` (and their logprobs) up to the first stop; returns how many were taken."""
         taken = 0
-        for token in tokens:
+        for i, token in enumerate(tokens):
             self.token_ids.append(token)
+            if logprobs is not None:
+                self.logprobs.append(logprobs[i])
             taken += 1
             if token in self._stop_ids:
                 self.finish_reason = "stop"
@@ -76,6 +101,7 @@ class OutputState:
         for count in range(first_new + 1, len(self.token_ids) + 1):  # the token that completed it
             if _find_stop(self.text_upto(count), self.params.stop) is not None:
                 del self.token_ids[count:]
+                del self.logprobs[count:]
                 break
         self.finish_reason = "stop"
         self.stop_text_end = _find_stop(self.text_upto(len(self.token_ids)), self.params.stop)

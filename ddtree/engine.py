@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from ddtree.commit import OutputState, compact_kv_cache
+from ddtree.commit import OutputState, TokenLogprobs, compact_kv_cache, token_logprobs
 from ddtree.drafter import DFlashDrafter
 from ddtree.errors import DDTreeError
 from ddtree.models import check_pair, eos_token_ids, load_drafter, load_target
@@ -95,6 +95,7 @@ class GenerationResult:
     text: str
     finish_reason: str
     stats: GenerationStats
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # aligned with token_ids when requested
 
 
 @dataclass
@@ -105,6 +106,7 @@ class StreamDelta:
     text: str
     finish_reason: str | None
     stats: GenerationStats
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # aligned with token_ids when requested
 
 
 @dataclass
@@ -172,11 +174,12 @@ class Engine:
         budget: int | None = None,
         topk: int | None = None,
     ) -> GenerationResult:
-        token_ids, text = [], ""
+        token_ids, text, logprobs = [], "", []
         for delta in self.stream(prompt, params, method=method, budget=budget, topk=topk):
             token_ids += delta.token_ids
             text += delta.text
-        return GenerationResult(token_ids, text, delta.finish_reason, delta.stats)
+            logprobs += delta.logprobs
+        return GenerationResult(token_ids, text, delta.finish_reason, delta.stats, logprobs)
 
     def stream(
         self,
@@ -241,6 +244,7 @@ class Engine:
         cache = DynamicCache(config=self.target.config)
         logits, features = self._target_forward(ids, None, None, cache, use_drafter, logits_to_keep=1)
         root = self._pick(logits[0, -1], params, generator)
+        want_logprobs = params.logprobs is not None
         state = _Decode(
             cache,
             self.drafter.new_cache() if use_drafter else None,
@@ -249,22 +253,25 @@ class Engine:
             features,
             generator,
         )
-        output.write([root])
+        output.write(
+            [root], token_logprobs(logits[0, -1:], [root], params.logprobs) if want_logprobs else None
+        )
         stats.prefill_seconds = self._now() - t0
-        yield self._delta(output, [root], stats, emitted_text)
+        yield self._delta(output, 0, stats, emitted_text)
         emitted_text = output.stable_text()
 
         while output.finish_reason is None:
             t_round = self._now()
             before = len(output.token_ids)
-            nodes, tokens = self._round(state, params, method, budget, topk, stats)
+            nodes, tokens, logits = self._round(state, params, method, budget, topk, stats)
             with self._stage(stats, "commit"):
-                taken = output.write(tokens)
+                logprobs = token_logprobs(logits[nodes], tokens, params.logprobs) if want_logprobs else None
+                taken = output.write(tokens, logprobs)
                 self._commit(state, nodes, tokens)
             stats.acceptance_lengths.append(len(tokens))
             stats.decode_seconds += self._now() - t_round
             stats.decode_tokens += taken
-            yield self._delta(output, output.token_ids[before:], stats, emitted_text)
+            yield self._delta(output, before, stats, emitted_text)
             emitted_text = output.stable_text()
 
     def _round(
@@ -275,8 +282,12 @@ class Engine:
         budget: int,
         topk: int | None,
         stats: GenerationStats,
-    ) -> tuple[list[int], list[int]]:
-        """Draft, build the tree, verify it in one target forward and derive the accepted path."""
+    ) -> tuple[list[int], list[int], torch.Tensor]:
+        """Draft, build the tree, verify it in one target forward and derive the accepted path.
+
+        Returns the accepted nodes (root first), the emitted tokens (bonus last) and the tree's target
+        logits [N, V], whose row ``nodes[i]`` is the target's distribution of ``tokens[i]``.
+        """
         if method == "ar":
             tree = DraftTree.root_only(state.root)
         else:
@@ -295,12 +306,13 @@ class Engine:
         with self._stage(stats, "verify"):
             logits, features = self._target_forward(ids, positions, mask, state.cache, method != "ar")
             state.features = features
+            logits = logits[0]  # [N, V]
             if params.greedy:
-                return follow_verified_tree(tree, logits[0].argmax(dim=-1).tolist())
-            probs = target_probs_from_logits(logits[0], params)  # [N, V]
+                return *follow_verified_tree(tree, logits.argmax(dim=-1).tolist()), logits
+            probs = target_probs_from_logits(logits, params)  # [N, V]
             coins = torch.rand(tree.num_nodes, generator=state.generator, device=self.device)
             final_coin = torch.rand((), generator=state.generator, device=self.device)
-            return sample_tree(tree, retrieve, probs, coins, final_coin)
+            return *sample_tree(tree, retrieve, probs, coins, final_coin), logits
 
     def _draft(self, state: _Decode) -> torch.Tensor:
         """One drafter pass over [root, MASK x (block_size - 1)]; returns draft logits [block_size - 1, V]."""
@@ -357,15 +369,15 @@ class Engine:
         coin = torch.rand((), generator=generator, device=self.device)
         return sample_from_probs(target_probs_from_logits(logits, params), coin)
 
-    def _delta(
-        self, output: OutputState, new_ids: list[int], stats: GenerationStats, emitted: str
-    ) -> StreamDelta:
+    def _delta(self, output: OutputState, before: int, stats: GenerationStats, emitted: str) -> StreamDelta:
+        """What the output gained since it held ``before`` tokens and ``emitted`` text."""
         text = output.stable_text()
         return StreamDelta(
-            token_ids=list(new_ids),
+            token_ids=output.token_ids[before:],
             text=text[len(emitted) :],
             finish_reason=output.finish_reason,
             stats=stats,
+            logprobs=output.logprobs[before:],
         )
 
     # -- timing -----------------------------------------------------------------------------------------

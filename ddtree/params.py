@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from ddtree.errors import DDTreeError
 
+MAX_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -26,6 +28,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; n >= 0 = the emitted token's logprob plus the top n
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,6 +47,10 @@ class SamplingParams:
             raise DDTreeError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise DDTreeError(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise DDTreeError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise DDTreeError("stop strings must be non-empty strings")
 

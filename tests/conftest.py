@@ -15,6 +15,9 @@ from transformers import (
 
 from ddtree.drafter import DFlashDrafter, dflash_config
 
+# Tiny models gain nothing from intra-op threads, and on a shared 2-core machine they lose a lot to them.
+torch.set_num_threads(1)
+
 VOCAB = 32
 MASK = VOCAB - 1
 TEXT = (

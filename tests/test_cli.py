@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -30,8 +31,13 @@ def model_dirs(tmp_path_factory):
 
 
 def ddtree(*args: str) -> subprocess.CompletedProcess:
+    env = os.environ | {"OMP_NUM_THREADS": "1"}  # tiny models; see conftest
     return subprocess.run(
-        [sys.executable, "-m", "ddtree.cli", *map(str, args)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "ddtree.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
 
 

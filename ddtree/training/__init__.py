@@ -1,0 +1,1 @@
+"""Training the shipped default models: corpus, tokenizer and target LM."""

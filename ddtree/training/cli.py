@@ -1,0 +1,79 @@
+"""``ddtree train tokenizer|target``: argparse hooks the main ``ddtree`` CLI mounts with :func:`register`.
+
+Each subcommand sets ``func`` (call it as ``args.func(args)``). The target's options are generated from
+:class:`TargetConfig`, so a new field becomes a flag without touching this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+from pathlib import Path
+
+from ddtree.errors import DDTreeError
+from ddtree.training.drafter import register_drafter
+from ddtree.training.target import TargetConfig, train_target
+from ddtree.training.tokenizer import train_tokenizer
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    train = subparsers.add_parser("train", help="train a tokenizer, a target model or a DFlash drafter")
+    sub = train.add_subparsers(dest="train_command", required=True)
+
+    tok = sub.add_parser("tokenizer", help="byte-level BPE on the stdlib corpus")
+    tok.add_argument("--out", type=Path, required=True, help="directory to save the tokenizer to")
+    tok.add_argument("--vocab-size", type=int, default=4096)
+    tok.add_argument("--corpus-root", type=Path, default=None, help="default: this interpreter's stdlib")
+    tok.set_defaults(func=_run_tokenizer)
+
+    tgt = sub.add_parser("target", help="a small Qwen3 causal LM from scratch on the stdlib corpus")
+    tgt.add_argument("--tokenizer", type=Path, required=True, help="directory saved by 'train tokenizer'")
+    tgt.add_argument("--out", type=Path, required=True, help="final HF model directory (with tokenizer)")
+    tgt.add_argument("--work-dir", type=Path, default=Path("runs/target"), help="where checkpoints go")
+    tgt.add_argument("--resume", action="store_true", help="continue from WORK_DIR/checkpoint.pt")
+    tgt.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    tgt.add_argument("--corpus-root", type=Path, default=None, help="default: this interpreter's stdlib")
+    for f in fields(TargetConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            tgt.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            tgt.add_argument(flag, type=type(f.default), default=f.default, help=f"default {f.default}")
+    tgt.set_defaults(func=_run_target)
+
+    register_drafter(sub)
+
+
+def _run_tokenizer(args: argparse.Namespace) -> None:
+    out = train_tokenizer(args.out, args.vocab_size, args.corpus_root)
+    print(f"tokenizer saved to {out}")
+
+
+def _run_target(args: argparse.Namespace) -> None:
+    cfg = TargetConfig(**{f.name: getattr(args, f.name) for f in fields(TargetConfig)})
+    metrics = train_target(
+        args.tokenizer,
+        args.out,
+        cfg,
+        work_dir=args.work_dir,
+        resume=args.resume,
+        threads=args.threads,
+        root=args.corpus_root,
+    )
+    print(json.dumps({k: v for k, v in metrics.items() if k != "config"}, indent=2))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Standalone entry (``python -m ddtree.training.cli train ...``) until the main CLI mounts it."""
+    parser = argparse.ArgumentParser(prog="ddtree")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except DDTreeError as e:
+        parser.exit(2, f"ddtree: error: {e}\n")
+
+
+if __name__ == "__main__":
+    main()

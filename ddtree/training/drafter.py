@@ -1,0 +1,739 @@
+"""Train a DFlash drafter for a target (``ddtree train drafter``), following the DFlash recipe.
+
+Data is the target's own continuations (``ddtree.training.distill``). A training example is a *block*:
+pick an anchor position ``p`` in a sequence, feed ``[token p, MASK x (S-1)]`` at positions ``p..p+S-1``
+and ask for tokens ``p+1..p+S-1``. The block sees the target's features of positions ``< p`` only: at
+inference the root token's own target state does not exist yet (the drafter runs before the target has
+processed the root), so training must never show it, or the drafter learns to copy what it will not have.
+
+Layout: one frozen target forward per sequence gives the features ``[T, F*H]`` of every position; ``A``
+anchors of the sequence are then packed into one drafter call whose queries are the ``A`` blocks
+concatenated (``A*S``) and whose keys are ``[T context features ; A*S block tokens]``. A bool mask
+``[A*S, T + A*S]`` lets block ``a`` see context columns ``< anchor_a`` and its own block's columns
+(bidirectionally) and nothing else, so the packed call computes exactly what ``A`` separate inference-style
+calls would.
+
+Loss: the drafter's normed output goes through the target's frozen LM head, only at labelled positions.
+Block position ``k >= 1`` is weighted ``exp(-(k-1)/gamma)``: an early mistake ends acceptance, so early
+positions matter most. Only the drafter trains (the target, including embedding and LM head, is frozen).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ddtree.drafter import DFlashDrafter, dflash_config
+from ddtree.errors import DDTreeError
+from ddtree.models import eos_token_ids, load_target
+from ddtree.training.distill import (
+    ListPrompts,
+    StreamPrompts,
+    build_sequences,
+    read_prompts,
+    weights_fingerprint,
+)
+
+CHECKPOINT = "checkpoint.pt"
+DATA = "data.pt"
+METRICS = "training.json"
+SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+MASK_TOKEN = "<|mask|>"
+GAMMAS = {8: 4.0, 10: 5.0, 16: 7.0}  # DFlash's loss-decay constants per block size
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """Drafter shape, data and optimisation; a resumed run must agree on all but ``RUN_FIELDS``."""
+
+    num_layers: int = 1
+    block_size: int = 16
+    target_layer_ids: str = ""  # comma-separated target layers to take features from; "" = DFlash's rule
+    mask_token_id: int = -1  # -1: the tokenizer's <|mask|>
+    gamma: float = 0.0  # loss decay; 0 = DFlash's value for the block size (7 for 16, 5 for 10, 4 for 8)
+    # data: the target's continuations of prompts
+    num_sequences: int = 4096
+    prompt_min: int = 32
+    prompt_max: int = 128
+    continuation: int = 128
+    sample_fraction: float = 0.5  # share of generation batches sampled at T=1 (the rest greedy)
+    gen_batch_size: int = 64
+    # optimisation
+    batch_size: int = 8  # sequences per step
+    anchors: int = 16  # blocks per sequence per step
+    steps: int = 2000
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    seed: int = 0
+    bf16_autocast: bool = True  # drafter forward/backward in bf16 on CPU; master weights stay fp32
+    ckpt_every: int = 200
+    save_dtype: str = "bfloat16"
+    max_minutes: float = 0.0  # 0: no limit; else the schedule ends early when training time runs out
+    # final evaluation: tau of dflash and ddtree on held-out prompts, greedy
+    eval_prompts: int = 16  # 0: skip the evaluation
+    eval_prompt_len: int = 64
+    eval_new_tokens: int = 128
+    eval_budget: int = 32
+
+    def __post_init__(self) -> None:
+        positive = (
+            "num_layers",
+            "prompt_min",
+            "prompt_max",
+            "continuation",
+            "num_sequences",
+            "gen_batch_size",
+            "batch_size",
+            "anchors",
+            "steps",
+            "lr",
+            "ckpt_every",
+            "eval_prompt_len",
+            "eval_new_tokens",
+            "eval_budget",
+        )
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise DDTreeError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.block_size < 2:
+            raise DDTreeError(f"block_size must be >= 2, got {self.block_size}")
+        if self.prompt_min > self.prompt_max:
+            raise DDTreeError(f"prompt_min {self.prompt_min} must be <= prompt_max {self.prompt_max}")
+        if not 0 <= self.sample_fraction <= 1 or not 0 <= self.min_lr_ratio <= 1:
+            raise DDTreeError("sample_fraction and min_lr_ratio must be in [0, 1]")
+        if min(self.warmup_steps, self.max_minutes, self.gamma, self.eval_prompts, self.weight_decay) < 0:
+            raise DDTreeError("warmup_steps, max_minutes, gamma, eval_prompts, weight_decay must be >= 0")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise DDTreeError(f"save_dtype must be one of {sorted(SAVE_DTYPES)}, got {self.save_dtype!r}")
+        self.layer_ids()  # validates the syntax
+
+    def layer_ids(self) -> list[int] | None:
+        if not self.target_layer_ids.strip():
+            return None
+        try:
+            return [int(x) for x in self.target_layer_ids.split(",")]
+        except ValueError:
+            raise DDTreeError(
+                f"target_layer_ids must be comma-separated integers, got {self.target_layer_ids!r}"
+            ) from None
+
+
+RUN_FIELDS = {
+    "steps",
+    "ckpt_every",
+    "save_dtype",
+    "max_minutes",
+    "eval_prompts",
+    "eval_prompt_len",
+    "eval_new_tokens",
+    "eval_budget",
+    "num_sequences",
+    "gen_batch_size",
+}  # may change on resume
+
+
+# -- the training objective ----------------------------------------------------------------------------
+
+
+def default_gamma(block_size: int) -> float:
+    """DFlash's gamma (7 for 16, 5 for 10, 4 for 8), interpolated linearly for other block sizes."""
+    if block_size in GAMMAS:
+        return GAMMAS[block_size]
+    if block_size < 8:
+        return block_size / 2
+    if block_size > 16:
+        return GAMMAS[16] + (block_size - 16) / 3
+    lo = max(s for s in GAMMAS if s < block_size)
+    hi = min(s for s in GAMMAS if s > block_size)
+    return GAMMAS[lo] + (GAMMAS[hi] - GAMMAS[lo]) * (block_size - lo) / (hi - lo)
+
+
+def loss_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
+    """[S] weight of block position k: 0 at k = 0 (the given anchor token), exp(-(k-1)/gamma) after."""
+    gamma = gamma or default_gamma(block_size)
+    k = torch.arange(block_size, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def sample_anchors(
+    lengths: torch.Tensor,  # [B] sequence lengths
+    prompt_lens: torch.Tensor,  # [B]
+    block_size: int,
+    num_anchors: int,
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchors [B, A] and validity [B, A].
+
+    An anchor needs a full block of labels (``anchor + S - 1 < length``) and at least one context feature
+    (``anchor >= 1``). It is drawn from the continuation (``anchor >= prompt_len``: the root at inference
+    is always a target-generated token), falling back to the whole sequence when the continuation is too
+    short, and distinct when there is room. A sequence too short for any block gets invalid anchors.
+    """
+    b = lengths.numel()
+    anchors = torch.ones(b, num_anchors, dtype=torch.long)
+    valid = torch.ones(b, num_anchors, dtype=torch.bool)
+    for row in range(b):
+        hi = int(lengths[row]) - block_size  # last anchor whose block fits
+        lo = max(1, int(prompt_lens[row]))
+        if lo > hi:
+            lo = 1
+        n = hi - lo + 1
+        if n <= 0:
+            valid[row] = False
+            continue
+        picks = (
+            torch.randperm(n, generator=gen)[:num_anchors]
+            if n >= num_anchors
+            else torch.randint(n, (num_anchors,), generator=gen)
+        )
+        anchors[row] = lo + picks
+    return anchors, valid
+
+
+def training_mask(anchors: torch.Tensor, block_size: int, ctx_len: int) -> torch.Tensor:
+    """[B, 1, A*S, ctx_len + A*S] bool: block a sees context columns < anchor_a and its own block only."""
+    b, a = anchors.shape
+    s = block_size
+    ctx = torch.arange(ctx_len)[None, None, :] < anchors[:, :, None]  # [B, A, C]
+    ctx = ctx[:, :, None, :].expand(b, a, s, ctx_len).reshape(b, a * s, ctx_len)  # [B, A*S, C]
+    blk = torch.arange(a * s) // s
+    own = (blk[:, None] == blk[None, :]).expand(b, a * s, a * s)  # [B, A*S, A*S] block-diagonal
+    return torch.cat((ctx, own), dim=-1)[:, None]
+
+
+def block_inputs(
+    ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block tokens [B, A*S] (anchor token then MASKs), their positions [B, A*S], labels [B, A, S].
+
+    ``labels[:, a, k]`` is the token at ``anchor_a + k`` (k = 0 is the anchor itself, never scored).
+    """
+    b, t = ids.shape
+    a = anchors.shape[1]
+    pos = anchors[:, :, None] + torch.arange(block_size)[None, None, :]  # [B, A, S]
+    labels = ids.gather(1, pos.clamp(max=t - 1).flatten(1)).view(b, a, block_size)
+    tokens = torch.full_like(labels, mask_token_id)
+    tokens[:, :, 0] = labels[:, :, 0]
+    return tokens.flatten(1), pos.flatten(1), labels
+
+
+class _Enough(Exception):
+    """Raised by a forward hook once the deepest feature layer has run: the rest of the target is waste."""
+
+
+@torch.no_grad()
+def target_features(target, drafter: DFlashDrafter, ids: torch.Tensor) -> torch.Tensor:
+    """[B, T, F*H] features of every position: the engine's ``select_features(hidden_states)``.
+
+    Only layers up to the deepest feature layer run (DFlash's rule stops at L - 3, so a third of a 6-layer
+    target is skipped): hooks grab those layers' outputs and stop the forward. When the last layer is a
+    feature layer, HF reports it after the final norm, so that case runs the full forward like the engine.
+    """
+    layers = getattr(getattr(target, "model", None), "layers", None)
+    deepest = max(drafter.target_layer_ids)
+    if layers is None or deepest >= len(layers) - 1:
+        out = target(input_ids=ids, output_hidden_states=True, logits_to_keep=1, use_cache=False)
+        return drafter.select_features(out.hidden_states)
+    captured: dict[int, torch.Tensor] = {}
+
+    def grab(index: int):
+        def hook(module, args, output) -> None:
+            captured[index] = output[0] if isinstance(output, tuple) else output
+            if index == deepest:
+                raise _Enough
+
+        return hook
+
+    handles = [layers[i].register_forward_hook(grab(i)) for i in set(drafter.target_layer_ids)]
+    try:
+        target(input_ids=ids, logits_to_keep=1, use_cache=False)
+    except _Enough:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.cat([captured[i] for i in drafter.target_layer_ids], dim=-1)
+
+
+def drafter_loss(
+    drafter: DFlashDrafter,
+    embed: torch.nn.Module,
+    lm_head: torch.nn.Module,
+    features: torch.Tensor,  # [B, T, F*H]
+    ids: torch.Tensor,  # [B, T]
+    anchors: torch.Tensor,  # [B, A]
+    valid: torch.Tensor,  # [B, A]
+    weights: torch.Tensor,  # [S]
+    mask_token_id: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted CE over all valid blocks, and (no grad) the blocks' mean greedy acceptance length.
+
+    The acceptance length of a block is 1 + the number of leading positions whose argmax is right: what
+    method ``dflash`` would accept on this sequence when its continuation was greedy.
+    """
+    b, t = ids.shape
+    s = drafter.block_size
+    tokens, positions, labels = block_inputs(ids, anchors, s, mask_token_id)
+    mask = training_mask(anchors, s, t)
+    ctx_positions = torch.arange(t)[None].expand(b, t)
+    hidden = drafter(embed(tokens), features, positions, ctx_positions, mask=mask)  # [B, A*S, H]
+    hidden = hidden.view(b, anchors.shape[1], s, -1)[valid][:, 1:]  # [N, S-1, H]
+    labels = labels[valid][:, 1:]  # [N, S-1]
+    if labels.numel() == 0:
+        return hidden.sum() * 0.0, torch.tensor(1.0)
+    logits = lm_head(hidden).float()  # [N, S-1, V]
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+    w = weights[1:].to(ce.device)  # [S-1]
+    loss = (ce * w).sum() / (w.sum() * labels.shape[0])
+    with torch.no_grad():
+        correct = (logits.argmax(-1) == labels).long()
+        accepted = correct.cumprod(-1).sum(-1).float().mean() + 1
+    return loss, accepted
+
+
+# -- schedule ------------------------------------------------------------------------------------------
+
+
+def progress(step: int, seconds: float, cfg: DrafterConfig) -> float:
+    """Fraction of the run done, by steps or by the clock when ``max_minutes`` runs out first."""
+    by_steps = step / cfg.steps
+    return max(by_steps, seconds / (60 * cfg.max_minutes)) if cfg.max_minutes else by_steps
+
+
+def lr_at(step: int, cfg: DrafterConfig, frac: float | None = None) -> float:
+    """Linear warmup to ``lr``, then cosine decay to ``min_lr_ratio * lr`` as ``frac`` goes 0 -> 1."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = step / cfg.steps if frac is None else frac
+    warm = cfg.warmup_steps / cfg.steps
+    decay = (frac - warm) / max(1e-9, 1 - warm)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, decay))))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+def make_optimizer(drafter: DFlashDrafter, cfg: DrafterConfig) -> torch.optim.AdamW:
+    """Weight decay on matrices only; norms' gains are not decayed."""
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+# -- building blocks of the run ------------------------------------------------------------------------
+
+
+def resolve_mask_token_id(tokenizer, given: int, vocab_size: int) -> int:
+    """The given id, else the tokenizer's ``<|mask|>``: DFlash needs a token the target never emits."""
+    if given >= 0:
+        mask_id = given
+    else:
+        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+        if MASK_TOKEN not in vocab:
+            where = f"its tokenizer has no {MASK_TOKEN}" if tokenizer is not None else "it has no tokenizer"
+            raise DDTreeError(f"cannot pick the drafter's mask token: {where}; pass --mask-token-id")
+        mask_id = vocab[MASK_TOKEN]
+    if not 0 <= mask_id < vocab_size:
+        raise DDTreeError(f"mask_token_id {mask_id} is outside the target's vocabulary of {vocab_size}")
+    return mask_id
+
+
+def build_drafter(target, cfg: DrafterConfig, mask_token_id: int) -> DFlashDrafter:
+    """A fresh drafter shaped like the target (hidden size must match: it shares embedding and LM head)."""
+    layers = target.config.num_hidden_layers
+    ids = cfg.layer_ids()
+    if ids is not None and not all(0 <= i < layers for i in ids):
+        raise DDTreeError(f"target_layer_ids {ids} must lie in [0, {layers}) for this target")
+    torch.manual_seed(cfg.seed)
+    config = dflash_config(
+        target.config,
+        num_layers=cfg.num_layers,
+        block_size=cfg.block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=ids,
+    )
+    return DFlashDrafter(config)
+
+
+def _corpus_stream(tokenizer, split: str, root: Path | None) -> torch.Tensor:
+    from ddtree.training.data import token_stream  # corpus tokenisation only when the corpus is used
+
+    if tokenizer is None:
+        raise DDTreeError("corpus prompts need the target's tokenizer; this target has none (use --prompts)")
+    return token_stream(tokenizer, split, root)
+
+
+def prompt_sources(
+    cfg: DrafterConfig, tokenizer, prompts: Path | None, root: Path | None
+) -> tuple[StreamPrompts | ListPrompts, list[list[int]]]:
+    """Training prompt source and held-out evaluation prompts.
+
+    Corpus: train-split windows for data, held-out-split windows for evaluation. Prompts file: the last
+    ``eval_prompts`` prompts are held out for evaluation and never generate training data.
+    """
+    gen = torch.Generator().manual_seed(cfg.seed + 7919)
+    if prompts is not None:
+        items = read_prompts(prompts, tokenizer)
+        n_eval = cfg.eval_prompts
+        if len(items) <= n_eval:
+            raise DDTreeError(f"{prompts} has {len(items)} prompts; need more than eval_prompts={n_eval}")
+        train, held = items[: len(items) - n_eval], items[len(items) - n_eval :]
+        return ListPrompts(train, cfg.prompt_max), [p[-cfg.eval_prompt_len :] for p in held]
+    train = StreamPrompts(_corpus_stream(tokenizer, "train", root), cfg.prompt_min, cfg.prompt_max)
+    held: list[list[int]] = []
+    if cfg.eval_prompts:
+        stream = _corpus_stream(tokenizer, "heldout", root)
+        if stream.numel() <= cfg.eval_prompt_len:
+            raise DDTreeError(f"the held-out split has {stream.numel()} tokens, too few for eval prompts")
+        starts = torch.randint(0, stream.numel() - cfg.eval_prompt_len, (cfg.eval_prompts,), generator=gen)
+        held = [stream[s : s + cfg.eval_prompt_len].tolist() for s in starts.tolist()]
+    return train, held
+
+
+@torch.no_grad()
+def evaluate_tau(
+    target, drafter: DFlashDrafter, tokenizer, prompts: list[list[int]], new_tokens: int, budget: int
+) -> dict:
+    """Greedy tau (tokens per target forward) of ``dflash`` and ``ddtree`` on ``prompts``, pooled over
+    rounds, and whether both reproduced method ``ar`` token for token (they must: decoding is lossless)."""
+    from ddtree.engine import Engine
+    from ddtree.params import SamplingParams
+
+    params = SamplingParams(max_new_tokens=new_tokens)
+    result: dict = {"prompts": len(prompts), "new_tokens": new_tokens, "budget": budget}
+    outputs: dict[str, list[list[int]]] = {}
+    for method in ("ar", "dflash", "ddtree"):
+        engine = Engine(target, drafter, tokenizer, method=method, budget=budget)
+        lens: list[int] = []
+        outputs[method] = []
+        t0 = time.perf_counter()
+        for p in prompts:
+            r = engine.generate(p, params)
+            outputs[method].append(r.token_ids)
+            lens += r.stats.acceptance_lengths
+        if method != "ar":
+            result[method] = {
+                "tau": round(sum(lens) / max(1, len(lens)), 4),
+                "rounds": len(lens),
+                "seconds": round(time.perf_counter() - t0, 2),
+                "matches_ar": outputs[method] == outputs["ar"],
+            }
+    return result
+
+
+def _check_resumable(saved: DrafterConfig, cfg: DrafterConfig) -> None:
+    diff = [
+        f.name
+        for f in fields(DrafterConfig)
+        if f.name not in RUN_FIELDS and getattr(saved, f.name) != getattr(cfg, f.name)
+    ]
+    if diff:
+        raise DDTreeError(f"--resume with settings that differ from the checkpoint: {', '.join(diff)}")
+
+
+def _save_checkpoint(
+    path: Path,
+    cfg: DrafterConfig,
+    drafter: DFlashDrafter,
+    opt: torch.optim.Optimizer,
+    step: int,
+    elapsed: float,
+    history: list[list[float]],
+) -> None:
+    """Write-then-rename, so a run killed mid-save still leaves the previous checkpoint intact."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    state = {
+        "config": asdict(cfg),
+        "step": step,
+        "elapsed": elapsed,
+        "history": history,
+        "drafter": drafter.state_dict(),
+        "optimizer": opt.state_dict(),
+    }
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
+def _save_final(drafter: DFlashDrafter, out: Path, cfg: DrafterConfig) -> DFlashDrafter:
+    """Save in ``save_dtype`` (public DFlash format), reload in fp32: the returned drafter is what ships."""
+    config = drafter.config
+    shipped = DFlashDrafter(config)
+    shipped.load_state_dict(drafter.state_dict())
+    shipped.to(SAVE_DTYPES[cfg.save_dtype]).save_pretrained(out)
+    return DFlashDrafter.from_pretrained(out, dtype=torch.float32)
+
+
+# -- the run -------------------------------------------------------------------------------------------
+
+
+def load_frozen_target(directory: str | Path):
+    """The target (fp32) and its tokenizer, every parameter frozen, embedding and LM head included."""
+    model, tokenizer = load_target(directory)
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+def train_step(
+    target,
+    drafter: DFlashDrafter,
+    opt: torch.optim.Optimizer,
+    ids: torch.Tensor,  # [B, T] right-padded sequences
+    lengths: torch.Tensor,  # [B]
+    prompt_lens: torch.Tensor,  # [B]
+    cfg: DrafterConfig,
+    gen: torch.Generator,
+    weights: torch.Tensor,  # [S] loss weights
+) -> tuple[float, float]:
+    """One optimizer step on ``cfg.anchors`` blocks per sequence; returns (loss, mean acceptance length).
+
+    With ``bf16_autocast`` the frozen target's forward runs in bf16 too (half its cost, which dominates a
+    step on CPU); the features then carry bf16 rounding, a small train/inference gap the drafter tolerates.
+    """
+    anchors, valid = sample_anchors(lengths, prompt_lens, cfg.block_size, cfg.anchors, gen)  # [B, A]
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.bf16_autocast else nullcontext()
+    with autocast:
+        features = target_features(target, drafter, ids)  # [B, T, F*H]
+        loss, accepted = drafter_loss(
+            drafter,
+            target.get_input_embeddings(),
+            target.get_output_embeddings(),
+            features,
+            ids,
+            anchors,
+            valid,
+            weights,
+            drafter.mask_token_id,
+        )
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item(), accepted.item()
+
+
+def train_drafter(
+    target: str | Path,
+    out: str | Path,
+    cfg: DrafterConfig | None = None,
+    *,
+    prompts: str | Path | None = None,
+    corpus_root: str | Path | None = None,
+    work_dir: str | Path = "runs/drafter",
+    data_path: str | Path | None = None,
+    resume: bool = False,
+    threads: int | None = None,
+    until_step: int | None = None,
+) -> dict:
+    """Generate (or load) the data, train, save ``out`` (drafter + ``training.json``), return the metrics.
+
+    ``work_dir`` holds the data cache (unless ``data_path``) and ``checkpoint.pt`` (drafter, AdamW moments,
+    step, loss history), written every ``ckpt_every`` steps; ``resume=True`` continues from it, with
+    ``cfg.steps`` free to grow. ``until_step`` stops early after checkpointing (a session-sized piece of a
+    long run: resume later); then nothing is saved to ``out`` and the metrics say ``"finished": False``.
+    """
+    cfg = cfg or DrafterConfig()
+    if prompts is not None and corpus_root is not None:
+        raise DDTreeError("give either prompts or a corpus root, not both")
+    work_dir, out = Path(work_dir), Path(out)
+    data_path = work_dir / DATA if data_path is None else Path(data_path)
+    root = None if corpus_root is None else Path(corpus_root)
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+    ckpt_path = work_dir / CHECKPOINT
+    state = None
+    if resume:
+        if not ckpt_path.is_file():
+            raise DDTreeError(f"--resume: no checkpoint at {ckpt_path}")
+        state = torch.load(ckpt_path, weights_only=True)
+        _check_resumable(DrafterConfig(**state["config"]), cfg)
+
+    model, tokenizer = load_frozen_target(target)
+    vocab = model.get_input_embeddings().num_embeddings
+    mask_id = resolve_mask_token_id(tokenizer, cfg.mask_token_id, vocab)
+    drafter = build_drafter(model, cfg, mask_id)
+    eos = eos_token_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+
+    source, eval_prompts = prompt_sources(cfg, tokenizer, None if prompts is None else Path(prompts), root)
+    limit = model.config.max_position_embeddings
+    if cfg.prompt_max + cfg.continuation > limit or cfg.eval_prompt_len + cfg.eval_new_tokens > limit:
+        raise DDTreeError(f"prompt plus continuation must fit the target's context of {limit} tokens")
+    data = build_sequences(
+        model,
+        source,
+        data_path,
+        {"target": weights_fingerprint(target)},
+        cfg.num_sequences,
+        cfg.gen_batch_size,
+        cfg.continuation,
+        cfg.sample_fraction,
+        cfg.seed,
+        pad_id,
+        eos,
+    )
+
+    opt = make_optimizer(drafter, cfg)
+    start, elapsed, history = 0, 0.0, []
+    if state is not None:
+        drafter.load_state_dict(state["drafter"])
+        opt.load_state_dict(state["optimizer"])
+        start, elapsed, history = state["step"], state["elapsed"], state["history"]
+    n_params = sum(p.numel() for p in drafter.parameters())
+    n_tokens = int(data.lengths.sum())
+    tqdm.write(
+        f"drafter: {n_params / 1e6:.2f}M params, layers {cfg.num_layers}, block {cfg.block_size}, "
+        f"features from target layers {drafter.target_layer_ids}, mask id {mask_id}; data "
+        f"{len(data)} sequences ({n_tokens:,} tokens); steps {start}->{cfg.steps}",
+        file=sys.stderr,
+    )
+
+    weights = loss_weights(cfg.block_size, cfg.gamma or None)
+    labelled_per_step = cfg.batch_size * cfg.anchors * (cfg.block_size - 1)
+    stop = cfg.steps if until_step is None else min(cfg.steps, until_step)
+    bar = tqdm(
+        total=cfg.steps,
+        initial=start,
+        unit="step",
+        dynamic_ncols=True,
+        mininterval=1.0 if sys.stderr.isatty() else 30.0,
+    )
+    drafter.train()
+    t0 = time.perf_counter()
+    step = start
+    finished = True
+    while step < cfg.steps:
+        if step >= stop:
+            finished = False
+            break
+        frac = progress(step, elapsed + time.perf_counter() - t0, cfg)
+        if frac >= 1.0:
+            break  # out of time: the schedule has already decayed to min_lr
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg, frac)
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # resumed runs see the same batches
+        indices = torch.randint(0, len(data), (cfg.batch_size,), generator=gen)
+        ids, lengths, prompt_lens = data.batch(indices, pad_id)  # [B, T]
+        loss, accepted = train_step(model, drafter, opt, ids, lengths, prompt_lens, cfg, gen, weights)
+        step += 1
+
+        history.append([step, round(loss, 5), round(accepted, 4)])
+        recent = history[-20:]
+        tok_s = (step - start) * labelled_per_step / (time.perf_counter() - t0)
+        bar.set_postfix(
+            loss=f"{sum(h[1] for h in recent) / len(recent):.3f}",
+            acc_len=f"{sum(h[2] for h in recent) / len(recent):.2f}",
+            tok_s=f"{tok_s:.0f}",
+            refresh=False,
+        )
+        bar.update(1)
+        if step % cfg.ckpt_every == 0:
+            _save_checkpoint(ckpt_path, cfg, drafter, opt, step, elapsed + time.perf_counter() - t0, history)
+    bar.close()
+    elapsed += time.perf_counter() - t0
+    _save_checkpoint(ckpt_path, cfg, drafter, opt, step, elapsed, history)
+
+    def mean(col: int, rows: list[list[float]]) -> float | None:
+        return round(sum(r[col] for r in rows) / len(rows), 4) if rows else None
+
+    metrics: dict = {
+        "finished": finished,
+        "params": n_params,
+        "steps": step,
+        "train_seconds_total": round(elapsed, 1),
+        "sequences": len(data),
+        "data_tokens": n_tokens,
+        "labelled_tokens_seen": step * labelled_per_step,
+        "first_train_loss": mean(1, history[:20]),
+        "final_train_loss": mean(1, history[-20:]),
+        "final_train_acceptance": mean(2, history[-20:]),
+        "mask_token_id": mask_id,
+        "target_layer_ids": drafter.target_layer_ids,
+    }
+    if not finished:
+        tqdm.write(f"stopped at step {step} (checkpointed); resume to continue", file=sys.stderr)
+        return metrics
+    out.mkdir(parents=True, exist_ok=True)
+    shipped = _save_final(drafter, out, cfg)
+    if eval_prompts:
+        metrics["eval"] = evaluate_tau(
+            model, shipped, tokenizer, eval_prompts, cfg.eval_new_tokens, cfg.eval_budget
+        )
+        ev = metrics["eval"]
+        tqdm.write(
+            f"held-out tau ({ev['prompts']} prompts x {ev['new_tokens']} tokens, greedy): dflash "
+            f"{ev['dflash']['tau']:.3f}, ddtree (budget {ev['budget']}) {ev['ddtree']['tau']:.3f}",
+            file=sys.stderr,
+        )
+    metrics["config"] = asdict(cfg)
+    metrics["history"] = history[:: max(1, len(history) // 200)]  # a plottable loss curve, <= ~200 points
+    (out / METRICS).write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
+
+
+# -- command line --------------------------------------------------------------------------------------
+
+
+def register_drafter(train_subparsers: argparse._SubParsersAction) -> None:
+    """Add ``drafter`` to the ``train`` subcommands; options are generated from :class:`DrafterConfig`."""
+    p = train_subparsers.add_parser("drafter", help="a DFlash drafter for a target, on its own continuations")
+    p.add_argument("--target", type=Path, required=True, help="HF target directory (with its tokenizer)")
+    p.add_argument("--out", type=Path, required=True, help="directory for the drafter (public DFlash format)")
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help="prompts file (.jsonl, or text: one per line) instead of corpus windows",
+    )
+    p.add_argument("--corpus-root", type=Path, default=None, help="corpus root (default: this stdlib)")
+    p.add_argument("--work-dir", type=Path, default=Path("runs/drafter"), help="checkpoint and data cache")
+    p.add_argument("--data", type=Path, default=None, help="data cache file (default: WORK_DIR/data.pt)")
+    p.add_argument("--resume", action="store_true", help="continue from WORK_DIR/checkpoint.pt")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument(
+        "--until-step",
+        type=int,
+        default=None,
+        help="checkpoint and stop after this step without finishing (resume later)",
+    )
+    for f in fields(DrafterConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            p.add_argument(flag, type=type(f.default), default=f.default, help=f"default {f.default!r}")
+    p.set_defaults(func=_run_drafter)
+
+
+def _run_drafter(args: argparse.Namespace) -> None:
+    cfg = DrafterConfig(**{f.name: getattr(args, f.name) for f in fields(DrafterConfig)})
+    metrics = train_drafter(
+        args.target,
+        args.out,
+        cfg,
+        prompts=args.prompts,
+        corpus_root=args.corpus_root,
+        work_dir=args.work_dir,
+        data_path=args.data,
+        resume=args.resume,
+        threads=args.threads,
+        until_step=args.until_step,
+    )
+    print(json.dumps({k: v for k, v in metrics.items() if k not in ("config", "history")}, indent=2))

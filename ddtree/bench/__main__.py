@@ -1,0 +1,5 @@
+"""``python -m ddtree.bench ...`` = ``ddtree bench ...``."""
+
+from ddtree.bench.cli import main
+
+main()

@@ -1,0 +1,198 @@
+"""``ddtree bench``: measure tau, TPOT and speedup of ar / dflash / ddtree (and HF baselines).
+
+``register_bench(subparsers)`` adds the subcommand to the main ``ddtree`` parser; ``python -m ddtree.bench``
+runs it on its own. Writes ``results.json``, ``results.md``, ``tau_speedup.png`` and
+``acceptance_histogram.png`` to ``--out``. Exit code 3 when a method's greedy output differs from ``ar``'s
+(the results are written all the same); 2 for a user mistake, like every ``ddtree`` command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from ddtree.errors import DDTreeError
+
+DEFAULT_METHODS = "ar,dflash,ddtree,hf,hf-pld"
+DEFAULT_BUDGETS = "4,8,16,32,64,128"
+
+
+def _csv(kind: type, what: str):
+    """An argparse type for a comma-separated list of ``kind``; errors name the flag's value."""
+
+    def parse(text: str) -> tuple:
+        try:
+            values = tuple(kind(v.strip()) for v in text.split(",") if v.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be a comma-separated list, got {text!r}") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"{what} is empty")
+        return values
+
+    return parse
+
+
+def add_bench_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--methods", type=_csv(str, "--methods"), default=DEFAULT_METHODS,
+                   help=f"comma-separated, from ar,dflash,ddtree,hf,hf-pld (default {DEFAULT_METHODS}); "
+                   "hf = HF generate(), hf-pld = its prompt lookup decoding")  # fmt: skip
+    p.add_argument("--budgets", type=_csv(int, "--budgets"), default=DEFAULT_BUDGETS,
+                   help=f"ddtree budgets (default {DEFAULT_BUDGETS})")  # fmt: skip
+    p.add_argument("--temperatures", type=_csv(float, "--temperatures"), default="0,1", help="default 0,1")
+    p.add_argument("--prompts", default="builtin", help="'builtin' (default) or a FILE.jsonl")
+    p.add_argument("--num-prompts", type=int, default=16, help="first N prompts (default 16; 0 = all)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="timed passes over all prompts (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed prompts run first by every config")
+    p.add_argument("--seed", type=int, default=0, help="base seed; each (prompt, repeat) derives its own")
+    p.add_argument("--topk", type=int, default=None, help="ddtree: cap on candidates per tree depth")
+    p.add_argument("--pld-tokens", type=int, default=10, help="hf-pld: prompt_lookup_num_tokens")
+    p.add_argument("--target", type=Path, default=None, help="HF target model directory (default: built-in)")
+    p.add_argument("--drafter", type=Path, default=None, help="DFlash drafter directory (default: built-in)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--out", type=Path, default=Path("runs/bench"), help="output directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def register_bench(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="benchmark ar / dflash / ddtree (tau, TPOT, speedup)")
+    add_bench_options(bench)
+    bench.set_defaults(func=run_bench_command)
+
+
+def load_engine(args: argparse.Namespace, needs_drafter: bool):
+    """The engine for the flags; the built-in pair when no model directory is given."""
+    import torch
+
+    from ddtree.engine import Engine
+    from ddtree.models import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+    if args.target is None and not DEFAULT_TARGET.is_dir():
+        raise DDTreeError("the built-in models are not installed; pass --target (and --drafter)")
+    target = args.target or DEFAULT_TARGET
+    drafter = args.drafter if args.target is not None or args.drafter is not None else DEFAULT_DRAFTER
+    if not needs_drafter:
+        drafter = None
+    elif drafter is None:
+        raise DDTreeError("methods dflash and ddtree need --drafter when --target is given")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise DDTreeError(f"unknown device {args.device!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DDTreeError("--device cuda given but CUDA is not available")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    method = "ddtree" if drafter is not None else "ar"
+    return Engine.from_pretrained(target, drafter, method=method, device=device, dtype=dtype), target, drafter
+
+
+def run_bench_command(args: argparse.Namespace) -> None:
+    """Run, write the four outputs, print the Markdown, and fail loudly on a T = 0 mismatch."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from ddtree.bench.check import MISMATCH_EXIT_CODE, announce, check_greedy_equality
+    from ddtree.bench.machine import machine_info
+    from ddtree.bench.metrics import DEFINITIONS, summarize
+    from ddtree.bench.plots import plot_acceptance_histogram, plot_tau_speedup
+    from ddtree.bench.prompts import load_prompts
+    from ddtree.bench.report import markdown, write_json
+    from ddtree.bench.runner import BenchConfig, encode_prompts, run_bench
+
+    cfg = BenchConfig(
+        methods=tuple(args.methods),
+        budgets=tuple(args.budgets),
+        temperatures=tuple(args.temperatures),
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        topk=args.topk,
+        seed=args.seed,
+        warmup=args.warmup,
+        pld_tokens=args.pld_tokens,
+    )
+    if args.threads is not None:
+        if args.threads < 1:
+            raise DDTreeError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    prompts = load_prompts(args.prompts, args.num_prompts)
+    engine, target_dir, drafter_dir = load_engine(args, cfg.needs_drafter)
+    prompt_ids = encode_prompts(engine, prompts, cfg.max_new_tokens)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # generate()'s per-call notices would bury the progress bar
+    started = time.perf_counter()
+    try:
+        records = run_bench(engine, prompts, prompt_ids, cfg, progress=not args.no_progress)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    check = check_greedy_equality(records)
+    results = {
+        "config": {
+            "target": str(target_dir),
+            "drafter": str(drafter_dir) if drafter_dir is not None else None,
+            "prompts": str(args.prompts),
+            "num_prompts": len(prompts),
+            "methods": list(cfg.methods),
+            "budgets": list(cfg.budgets) if "ddtree" in cfg.methods else [],
+            "temperatures": list(cfg.temperatures),
+            "max_new_tokens": cfg.max_new_tokens,
+            "repeats": cfg.repeats,
+            "warmup": cfg.warmup,
+            "seed": cfg.seed,
+            "topk": cfg.topk,
+            "pld_tokens": cfg.pld_tokens if "hf-pld" in cfg.methods else None,
+            "order": "for each repeat, prompt, temperature: every config back to back, rotated per repeat",
+            "argv": sys.argv,
+        },
+        "machine": machine_info(engine.device, engine.dtype),
+        "wall_seconds": time.perf_counter() - started,
+        "definitions": DEFINITIONS,
+        "prompts": [
+            {"index": i, "id": p.id, "prompt_tokens": len(ids)}
+            for i, (p, ids) in enumerate(zip(prompts, prompt_ids, strict=True))
+        ],  # fmt: skip
+        "t0_check": check,
+        "t0_mismatch": not check["passed"],
+        "summary": summarize(records),
+        "records": records,
+    }
+    write_json(args.out / "results.json", results)
+    text = markdown(results)
+    (args.out / "results.md").write_text(text)
+    plot_tau_speedup(results["summary"], args.out / "tau_speedup.png")
+    plot_acceptance_histogram(results["summary"], args.out / "acceptance_histogram.png")
+    sys.stdout.write(text)
+    print(f"\nwrote results.json, results.md, tau_speedup.png, acceptance_histogram.png to {args.out}")
+    announce(check)
+    if not check["passed"]:
+        sys.exit(MISMATCH_EXIT_CODE)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors, like the main ``ddtree`` parser's (which cannot be imported here:
+    ``ddtree.cli`` imports this module)."""
+
+    def error(self, message: str):
+        raise DDTreeError(message)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m ddtree.bench``: the same command without the main ``ddtree`` parser."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # as the main CLI: stderr is for our progress bar and errors
+    parser = _Parser(prog="ddtree bench", description=__doc__.splitlines()[0])
+    add_bench_options(parser)
+    try:
+        args = parser.parse_args(argv)
+        run_bench_command(args)
+    except DDTreeError as exc:
+        print(f"ddtree: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,126 @@
+"""``results.json`` (everything, raw records included) and ``results.md`` (the tables a reader wants)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ddtree.bench.metrics import DEFINITIONS
+
+
+def best_ddtree(rows: list[dict], temperature: float) -> dict | None:
+    """The ddtree row of one temperature with the highest speedup (tau when no speedup is known)."""
+    mine = [r for r in rows if r["temperature"] == temperature and r["method"] == "ddtree"]
+    if not mine:
+        return None
+    return max(mine, key=lambda r: (r["speedup"] or 0.0, r["tau"] or 0.0))
+
+
+def write_json(path: Path, results: dict) -> None:
+    path.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def _f(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def markdown(results: dict) -> str:
+    cfg, machine, rows = results["config"], results["machine"], results["summary"]
+    where = machine.get("gpu") or machine["processor"]
+    out = [
+        "# ddtree benchmark",
+        "",
+        f"Target `{cfg['target']}`, drafter `{cfg['drafter']}`, {cfg['num_prompts']} prompts "
+        f"(`{cfg['prompts']}`), {cfg['max_new_tokens']} new tokens, {cfg['repeats']} repeats, "
+        f"{machine['device']} ({where}), {machine['dtype']}, torch {machine['torch']}, "
+        f"{machine['torch_threads']} torch threads.",
+        "",
+        _check_line(results["t0_check"]),
+    ]
+    for temperature in dict.fromkeys(r["temperature"] for r in rows):
+        mine = [r for r in rows if r["temperature"] == temperature]
+        out += ["", f"## Temperature {temperature:g}", ""]
+        out += _main_table(mine, machine["memory_kind"])
+        out += _stage_table([r for r in mine if r["stages"] is not None])
+        chain = next((r for r in mine if r["method"] == "dflash"), None)
+        out += _histogram_table([r for r in (chain, best_ddtree(rows, temperature)) if r is not None])
+    out += ["", "## Definitions", ""]
+    out += [f"- **{name}**: {text}" for name, text in DEFINITIONS.items()]
+    return "\n".join(out) + "\n"
+
+
+def _check_line(check: dict) -> str:
+    if check["compared"] == 0:
+        return "**T=0 check: not run** (no temperature 0 or nothing to compare with `ar`)."
+    if check["passed"]:
+        return f"**T=0 check: passed**: all {check['compared']} greedy responses equal `ar`'s tokens."
+    labels = ", ".join(sorted({m["label"] for m in check["mismatches"]}))
+    return (
+        f"**T=0 check: FAILED**: {len(check['mismatches'])} of {check['compared']} greedy responses "
+        f"differ from `ar`'s ({labels}); see `t0_check` in results.json."
+    )
+
+
+def _main_table(rows: list[dict], memory_kind: str) -> list[str]:
+    memory = "peak MiB" if memory_kind == "cuda_max_allocated" else "process peak RSS MiB"
+    out = [
+        "| config | tau | TPOT ms | tokens/s | speedup (median) | per-repeat speedups | prefill ms "
+        f"| output tokens | {memory} |",
+        "|---|--:|--:|--:|--:|---|--:|--:|--:|",
+    ]
+    for r in rows:
+        tpot_ms = r["tpot_seconds"] * 1e3 if r["tpot_seconds"] is not None else None
+        repeats = ", ".join(f"{s:.2f}" for s in r["speedup_per_repeat"])
+        out.append(
+            f"| {r['label']} | {_f(r['tau'], '.2f')} | {_f(tpot_ms, '.2f')} "
+            f"| {_f(r['tokens_per_second'], '.1f')} | {_f(r['speedup'], '.2f')}x | {repeats} "
+            f"| {r['prefill_seconds_mean'] * 1e3:.1f} | {r['output_tokens_mean']:.1f} "
+            f"| {_mib(r['peak_memory_bytes'])} |"
+        )
+    return out
+
+
+def _stage_table(rows: list[dict]) -> list[str]:
+    """ms per round and share of decode time of each engine stage; HF rows have no stages."""
+    if not rows:
+        return []
+    names = list(dict.fromkeys(k for r in rows for k in r["stages"]["stage_seconds_per_round"]))
+    caveat = (
+        " (verify includes the acceptance step)" if rows[0]["stages"]["verify_includes_acceptance"] else ""
+    )
+    out = [
+        "",
+        f"Per round: ms per stage (share of decode time); overhead: outside the forwards{caveat}.",
+        "",
+        "| config | rounds | " + " | ".join(names) + " | overhead |",
+        "|---|--:|" + "--:|" * (len(names) + 1),
+    ]
+    for r in rows:
+        s = r["stages"]
+        per_round, share = s["stage_seconds_per_round"], s["stage_fractions"]
+        cells = [f"{per_round.get(k, 0.0) * 1e3:.3f} ({share.get(k, 0.0):.0%})" for k in names]
+        out.append(
+            f"| {r['label']} | {s['rounds']} | " + " | ".join(cells) + f" | {s['overhead_fraction']:.0%} |"
+        )
+    return out
+
+
+def _histogram_table(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lengths = sorted({int(k) for r in rows for k in r["acceptance_histogram"]})
+    out = [
+        "",
+        "Acceptance lengths (share of rounds):",
+        "",
+        "| config | " + " | ".join(map(str, lengths)) + " |",
+        "|---|" + "--:|" * len(lengths),
+    ]
+    for r in rows:
+        shares = {int(k): v for k, v in r["acceptance_fractions"].items()}
+        out.append(f"| {r['label']} | " + " | ".join(f"{shares.get(k, 0.0):.1%}" for k in lengths) + " |")
+    return out

@@ -1,0 +1,134 @@
+"""``ddtree bench`` end to end on tiny random models saved to disk: outputs, T = 0 check, errors, prompts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+import ddtree.bench.runner as runner
+from ddtree.bench.cli import main, register_bench
+from ddtree.bench.prompts import BUILTIN_PROMPTS, load_prompts
+from ddtree.errors import DDTreeError
+from tests.conftest import tiny_drafter, tiny_target, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """Saved target (+ tokenizer) and drafter directories, and a prompts file in all three formats."""
+    root = tmp_path_factory.mktemp("bench")
+    tokenizer = tiny_tokenizer()
+    target = tiny_target(vocab=len(tokenizer))
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    drafter = tiny_drafter(target)
+    drafter.mask_token_id = tokenizer.convert_tokens_to_ids("<|mask|>")
+    drafter.save_pretrained(root / "drafter")
+    prompts = root / "prompts.jsonl"
+    lines = [{"id": "fib", "prompt": "def fibonacci(n):\n    if n < 2:\n"}, "    return fib", [5, 6, 7, 8]]
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return root
+
+
+def bench_args(root, out, *extra: str) -> list[str]:
+    return ["--target", str(root / "target"), "--drafter", str(root / "drafter"), "--prompts",
+            str(root / "prompts.jsonl"), "--out", str(out), "--no-progress", *extra]  # fmt: skip
+
+
+def test_tiny_bench_writes_every_output_and_passes_the_t0_check(setup, tmp_path, capsys):
+    out = tmp_path / "out"
+    flags = "--methods ar,dflash,ddtree,hf,hf-pld --budgets 4,16 --temperatures 0,1 --num-prompts 2"
+    main(bench_args(setup, out, *flags.split(), "--max-new-tokens", "12", "--repeats", "2"))
+    for name in ("results.json", "results.md", "tau_speedup.png", "acceptance_histogram.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "tau_speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    results = json.loads((out / "results.json").read_text())
+    assert results["t0_check"]["passed"] and not results["t0_mismatch"]
+    assert results["t0_check"]["compared"] == 2 * 2 * 5  # prompts x repeats x (configs - ar)
+    labels = ["ar", "dflash", "ddtree@4", "ddtree@16", "hf", "hf-pld"]
+    assert [r["label"] for r in results["summary"]] == labels * 2
+    assert len(results["records"]) == 2 * 2 * 2 * len(labels)  # prompts x repeats x temperatures x configs
+    for row in results["summary"]:
+        assert row["tau"] >= 1.0 and row["tpot_seconds"] > 0 and len(row["speedup_per_repeat"]) == 2
+        assert (row["stages"] is None) == row["label"].startswith("hf")
+    ar = [r for r in results["summary"] if r["label"] == "ar"]
+    assert all(r["speedup"] == 1.0 and r["tau"] == 1.0 for r in ar)
+
+    # interleaved: one prompt's configs back to back, rotated per repeat; one seed per (prompt, repeat)
+    first = [r["label"] for r in results["records"][: len(labels)]]
+    second_repeat = [r for r in results["records"] if r["repeat"] == 1][: len(labels)]
+    assert first == labels and [r["label"] for r in second_repeat] == labels[1:] + labels[:1]
+    for key in {(r["prompt_index"], r["repeat"]) for r in results["records"]}:
+        assert len({r["seed"] for r in results["records"] if (r["prompt_index"], r["repeat"]) == key}) == 1
+
+    text = (out / "results.md").read_text()
+    assert "**T=0 check: passed**" in text and "## Temperature 1" in text and "## Definitions" in text
+    assert capsys.readouterr().out == text + f"\nwrote results.json, results.md, tau_speedup.png, " \
+        f"acceptance_histogram.png to {out}\n"  # fmt: skip
+
+
+def test_a_t0_mismatch_fails_the_run_loudly(setup, tmp_path, capsys, monkeypatch):
+    real = runner.run_bench
+
+    def corrupted(*args, **kwargs):
+        records = real(*args, **kwargs)
+        bad = next(r for r in records if r["label"] == "ddtree@8")
+        bad["token_ids"] = bad["token_ids"][:-1] + [bad["token_ids"][-1] + 1]
+        return records
+
+    monkeypatch.setattr(runner, "run_bench", corrupted)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        flags = "--methods ar,ddtree --budgets 8 --temperatures 0 --num-prompts 1 --max-new-tokens 6"
+        main(bench_args(setup, out, *flags.split(), "--repeats", "1", "--warmup", "0"))
+    assert exc.value.code == 3
+    assert "T=0 OUTPUT MISMATCH: 1 of 1" in capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    assert results["t0_mismatch"] and results["t0_check"]["mismatches"][0]["label"] == "ddtree@8"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--methods", "ar,beam"], "unknown method(s) beam"),
+        (["--methods", "dflash,ddtree"], "must include 'ar'"),
+        (["--budgets", "4,x"], "--budgets must be a comma-separated list"),
+        (["--budgets", "0"], "--budgets must be distinct integers >= 1"),
+        (["--temperatures", "-1"], "--temperatures must be numbers >= 0"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--max-new-tokens", "500"], "exceeds the target's context"),
+        (["--prompts", "/nonexistent.jsonl"], "does not exist"),
+    ],
+)
+def test_user_mistakes_give_one_line_and_exit_code_2(setup, tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as exc:
+        main(bench_args(setup, tmp_path / "out", *extra))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ddtree: error: ") and message in err and err.count("\n") == 1
+
+
+def test_register_bench_adds_the_subcommand():
+    parser = argparse.ArgumentParser()
+    register_bench(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "--methods", "ar,ddtree", "--budgets", "8,32", "--temperatures", "0"])
+    assert args.methods == ("ar", "ddtree") and args.budgets == (8, 32) and args.temperatures == (0.0,)
+    assert args.prompts == "builtin" and args.repeats == 3 and callable(args.func)
+    defaults = parser.parse_args(["bench"])
+    assert defaults.methods == ("ar", "dflash", "ddtree", "hf", "hf-pld")
+    assert defaults.budgets == (4, 8, 16, 32, 64, 128) and defaults.temperatures == (0.0, 1.0)
+
+
+def test_prompt_files(setup, tmp_path):
+    prompts = load_prompts(setup / "prompts.jsonl")
+    assert [p.id for p in prompts] == ["fib", "prompts.jsonl:2", "prompts.jsonl:3"]
+    assert prompts[1].text == "    return fib" and prompts[2].token_ids == (5, 6, 7, 8)
+    builtin = load_prompts("builtin")
+    assert BUILTIN_PROMPTS.is_file() and len(builtin) >= 64 and len(load_prompts("builtin", 16)) == 16
+    assert len({p.id for p in builtin}) == len(builtin) and all(300 <= len(p.text) <= 1200 for p in builtin)
+    assert len({p.id.split(":")[0] for p in builtin[:16]}) == 16  # the first 16 come from 16 files
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": ""}\n')
+    with pytest.raises(DDTreeError, match="bad.jsonl:1"):
+        load_prompts(bad)

@@ -1,4 +1,5 @@
-"""``ddtree`` command line: ``generate`` streams a continuation; ``train`` builds models.
+"""``ddtree`` command line: ``generate`` streams a continuation; ``serve`` runs the OpenAI-compatible
+server; ``bench`` compares methods side by side; ``train`` builds models.
 
 User mistakes print one line (``ddtree: error: ...``) and exit with code 2, never a traceback.
 """
@@ -10,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from ddtree.bench.cli import register_bench
 from ddtree.errors import DDTreeError
 from ddtree.training.cli import register as register_train
 
@@ -50,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_options(gen)
     gen.add_argument("--stats", action="store_true", help="print speculative-decoding stats to stderr")
     gen.set_defaults(func=_generate)
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
+    _add_engine_options(srv)
+    _add_server_options(srv)
+    srv.set_defaults(func=_serve)
+    register_bench(sub)
     register_train(sub)
     return parser
 
@@ -102,6 +109,18 @@ def _generate(args: argparse.Namespace) -> None:
         stats = delta.stats.as_dict()
         stats["finish_reason"] = delta.finish_reason
         print(json.dumps(stats, indent=2), file=sys.stderr)
+
+
+def _add_server_options(p: argparse.ArgumentParser) -> None:
+    from ddtree.server.run import add_server_options
+
+    add_server_options(p)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from ddtree.server.run import serve
+
+    serve(args, engine_from_args)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,15 +8,16 @@ from dataclasses import dataclass, field
 from ddtree.errors import DDTreeError
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """What the user asks of the target's distribution.
 
-    ``temperature == 0`` is greedy decoding. Otherwise the target distribution is
-    ``softmax(logits / temperature)`` restricted by ``top_k`` (0 = off), ``top_p`` (1.0 = off) and
-    ``min_p`` (0.0 = off), renormalised; speculative decoding reproduces exactly that distribution.
+    ``temperature == 0`` (in fact any temperature below 1e-5) is greedy decoding. Otherwise the target
+    distribution is ``softmax(logits / temperature)`` restricted by ``top_k`` (0 = off), ``top_p``
+    (1.0 = off) and ``min_p`` (0.0 = off), renormalised; speculative decoding reproduces it exactly.
     """
 
     temperature: float = 0.0
@@ -56,7 +57,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # As in vLLM: below 1e-5, logits / T overflows float32 and the limit distribution is the argmax.
+        return self.temperature < GREEDY_BELOW
 
 
 def _is_number(value: object) -> bool:

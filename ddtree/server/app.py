@@ -1,0 +1,151 @@
+"""The app factory: ``create_app(engine_factory, config)`` builds a FastAPI app that owns its engine worker.
+
+Nothing lives at module level: each app has its own worker thread, queue, metrics registry and
+identity, so tests (or one process) can run several side by side. The engine is built by
+``engine_factory`` on the worker thread when the app starts; until it has loaded and a warm-up
+generation succeeded, ``/ready`` and the generation endpoints answer 503 while ``/health`` answers 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ddtree.params import SamplingParams
+from ddtree.server.errors import APIError, error_body, install_error_handlers
+from ddtree.server.generation import ServedModel
+from ddtree.server.metrics import Metrics, MetricsMiddleware
+from ddtree.server.openai_api import router as openai_router
+from ddtree.server.protocol import Health, NotReady
+from ddtree.server.tokens import TokenNames
+from ddtree.server.worker import EngineWorker
+
+NOT_READY = {
+    "loading": ("the model is loading", "model_loading"),
+    "warming": ("the model is warming up", "model_warming_up"),
+    "failed": ("the model failed to load", "model_load_failed"),
+}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str = "ddtree"
+    max_queue: int = 64  # requests that may wait for the engine besides the one it runs
+    request_timeout: float = 600.0  # seconds from arrival to the last token, queue wait included
+    engine_stop_timeout: float = 5.0  # how long the app's shutdown waits for the engine thread to stop
+    retry_after: int = 1  # seconds, sent with 429 and 503
+
+
+@dataclass
+class ServerState:
+    """Everything one app owns; routes reach it as ``request.app.state.ddtree``."""
+
+    config: ServerConfig
+    worker: EngineWorker
+    metrics: Metrics
+    pid: int = field(default_factory=os.getpid)
+    instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    started_at: float = field(default_factory=time.time)
+
+    def health(self) -> Health:
+        return Health(
+            status="ok",
+            state=self.worker.state,
+            pid=self.pid,
+            instance_id=self.instance_id,
+            started_at=datetime.fromtimestamp(self.started_at, UTC).isoformat(),
+            uptime_seconds=round(time.time() - self.started_at, 3),
+        )
+
+    def not_ready(self) -> APIError | None:
+        """The 503 to answer while the engine cannot serve, or None once it can."""
+        if self.worker.state == "ready":
+            return None
+        message, code = NOT_READY[self.worker.state]
+        if self.worker.load_error:
+            message = f"{message}: {self.worker.load_error}"
+        return APIError(
+            503, message, "service_unavailable", None, code, {"Retry-After": str(self.config.retry_after)}
+        )
+
+    def model(self) -> ServedModel:
+        error = self.not_ready()
+        if error is not None:
+            raise error
+        return self.worker.engine
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.ddtree
+
+
+def load_model(engine_factory: Callable[[], object]) -> ServedModel:
+    engine = engine_factory()
+    return ServedModel(engine, TokenNames(engine.tokenizer), int(engine.max_positions))
+
+
+def warm_up(model: ServedModel) -> None:
+    """One short generation, so the first client does not pay for lazy initialisation (and it works)."""
+    prompt = "Hello" if model.engine.tokenizer is not None else [0]
+    model.engine.generate(prompt, SamplingParams(max_new_tokens=2, ignore_eos=True))
+
+
+def create_app(
+    engine_factory: Callable[[], object],
+    config: ServerConfig | None = None,
+    on_load_failed: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """An OpenAI-compatible app serving the engine ``engine_factory`` builds (on the worker thread)."""
+    config = config or ServerConfig()
+    metrics = Metrics()
+    worker = EngineWorker(
+        lambda: load_model(engine_factory), metrics, config.max_queue, warm_up, on_load_failed=on_load_failed
+    )
+    state = ServerState(config, worker, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker.start()
+        yield
+        await asyncio.to_thread(worker.stop, config.engine_stop_timeout)
+
+    app = FastAPI(
+        title="ddtree",
+        summary="OpenAI-compatible server for lossless speculative decoding with DDTree",
+        lifespan=lifespan,
+    )
+    app.state.ddtree = state
+    install_error_handlers(app)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.include_router(openai_router)
+
+    @app.get("/health", response_model=Health, tags=["operations"])
+    def health() -> Health:
+        """Liveness: 200 while the process runs, loading or not."""
+        return state.health()
+
+    @app.get("/ready", response_model=Health, responses={503: {"model": NotReady}}, tags=["operations"])
+    def ready() -> Health | JSONResponse:
+        """Readiness: 200 once the model is loaded and a warm-up generation succeeded, 503 before."""
+        error = state.not_ready()
+        if error is None:
+            return state.health()
+        body = error_body(error.message, error.type, error.param, error.code) | state.health().model_dump()
+        return JSONResponse(body, status_code=503, headers=error.headers)
+
+    @app.get("/metrics", tags=["operations"], response_class=Response)
+    def prometheus() -> Response:
+        """Prometheus text format: requests, tokens, latency, queue and speculative-decoding counters."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,51 @@
+"""Chat messages -> one prompt string: the tokenizer's chat template, or a plain fallback without one.
+
+The fallback (for tokenizers that ship no template, like base models) is one line per message and an
+open assistant turn::
+
+    System: You are terse.
+    User: Hi
+    Assistant: Hello.
+    User: What is 2 + 2?
+    Assistant:
+
+A base model may continue with ``\\nUser:``; pass ``stop: ["\\nUser:"]`` to end the turn there.
+"""
+
+from __future__ import annotations
+
+from ddtree.server.errors import invalid
+from ddtree.server.protocol import ChatMessage
+
+ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as a template expects them: text content only (parts joined)."""
+    out = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
+        entry = {"role": m.role, "content": content}
+        if m.name is not None:
+            entry["name"] = m.name
+        out.append(entry)
+    return out
+
+
+def plain_prompt(messages: list[dict[str, str]]) -> str:
+    lines = [f"{ROLE_NAMES[m['role']]}: {m['content']}" for m in messages]
+    return "\n".join([*lines, "Assistant:"])
+
+
+def render_chat(tokenizer, messages: list[dict[str, str]]) -> str:
+    """The prompt for ``messages``: runs on the engine thread, where the tokenizer lives."""
+    if tokenizer is None:
+        raise invalid("this model has no tokenizer, so it cannot chat; use /v1/completions with token ids")
+    if not getattr(tokenizer, "chat_template", None):
+        return plain_prompt(messages)
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except TemplateError as exc:  # templates reject conversations they cannot render (roles, order)
+        raise invalid(f"the chat template refused these messages: {exc}", "messages") from None

@@ -1,0 +1,147 @@
+"""Prometheus metrics, in a registry owned by one app (no global state: two apps never share counters).
+
+Speculative-decoding counters follow vLLM's ``spec_decode_*`` family: ``rounds`` (vLLM's drafts),
+``accepted_tokens`` (draft tokens the target kept), ``accepted_tokens_per_pos`` (rounds whose draft
+was accepted at least up to depth ``position + 1``) and ``emitted_tokens`` (accepted + the bonus), so
+``emitted / rounds`` is tau, the mean acceptance length; ``mean_acceptance_length`` exports it directly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+ENDPOINTS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/health",
+    "/ready",
+    "/metrics",
+)
+
+
+class Metrics:
+    """Everything ``GET /metrics`` reports."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "ddtree_requests",
+            "HTTP requests answered, by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "ddtree_request_duration_seconds",
+            "Time from request to the last byte of the answer",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "ddtree_queue_wait_seconds",
+            "Time a request waited for the engine",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.first_token = Histogram(
+            "ddtree_time_to_first_token_seconds",
+            "Time from request to its first generated token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge("ddtree_queue_depth", "Requests waiting for the engine", registry=r)
+        self.running = Gauge("ddtree_requests_running", "Requests the engine is generating for", registry=r)
+        self.cancelled = Counter(
+            "ddtree_requests_cancelled",
+            "Generations stopped early, by reason (disconnect, timeout)",
+            ["reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter("ddtree_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.completion_tokens = Counter("ddtree_generation_tokens", "Tokens generated", registry=r)
+        self.rounds = Counter(
+            "ddtree_spec_decode_rounds",
+            "Decode rounds (one target verify forward each)",
+            ["method"],
+            registry=r,
+        )
+        self.accepted = Counter(
+            "ddtree_spec_decode_accepted_tokens",
+            "Draft tokens accepted by the target",
+            ["method"],
+            registry=r,
+        )
+        self.emitted = Counter(
+            "ddtree_spec_decode_emitted_tokens", "Tokens committed by decode rounds", ["method"], registry=r
+        )
+        self.accepted_per_pos = Counter(
+            "ddtree_spec_decode_accepted_tokens_per_pos",
+            "Rounds whose accepted draft reached depth position + 1",
+            ["method", "position"],
+            registry=r,
+        )
+        self.tau = Gauge(
+            "ddtree_spec_decode_mean_acceptance_length",
+            "Tokens per decode round since start (tau)",
+            ["method"],
+            registry=r,
+        )
+        self._totals: dict[str, list[int]] = {}  # method -> [rounds, emitted], for the tau gauge
+
+    def record_generation(
+        self, method: str, acceptance_lengths: Iterable[int], completion_tokens: int
+    ) -> None:
+        """One finished (or stopped) choice: its tokens and its rounds."""
+        lengths = list(acceptance_lengths)
+        self.completion_tokens.inc(completion_tokens)
+        if not lengths:
+            return
+        self.rounds.labels(method).inc(len(lengths))
+        self.emitted.labels(method).inc(sum(lengths))
+        self.accepted.labels(method).inc(sum(lengths) - len(lengths))
+        for position in range(max(lengths) - 1):
+            self.accepted_per_pos.labels(method, str(position)).inc(sum(n - 1 > position for n in lengths))
+        totals = self._totals.setdefault(method, [0, 0])
+        totals[0] += len(lengths)
+        totals[1] += sum(lengths)
+        self.tau.labels(method).set(totals[1] / totals[0])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Counts every HTTP answer by endpoint and status and times it to its last byte (streams included)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500  # what the client gets when the app raises before answering
+
+        async def send_and_watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_watch)
+        finally:
+            path = scope.get("path", "")
+            endpoint = path if path in ENDPOINTS else "other"  # unknown paths must not grow the label set
+            if path.startswith("/v1/models/"):
+                endpoint = "/v1/models/{model}"
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)

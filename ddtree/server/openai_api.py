@@ -1,0 +1,218 @@
+"""``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``: validate, queue, answer.
+
+Cheap checks (types, ranges, model name, unsupported parameters, sampling values) happen here, before a
+request takes a queue slot; checks that need the tokenizer (prompt length, chat template) happen on the
+engine thread and still come back before any byte of the answer, so a bad request is a 400 even when
+it asked to stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from functools import partial
+
+from fastapi import APIRouter, Request
+
+from ddtree.params import SamplingParams
+from ddtree.server.chat import message_dicts
+from ddtree.server.errors import APIError, invalid, unsupported
+from ddtree.server.events import EventStreamResponse, event_stream, job_items
+from ddtree.server.generation import Plan, Started, run_plan
+from ddtree.server.protocol import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorResponse,
+    GenerationRequest,
+    ModelCard,
+    ModelList,
+    SpeculativeOptions,
+)
+from ddtree.server.responses import ChatAnswer, CompletionAnswer
+from ddtree.server.worker import Job, QueueFull, ShuttingDown
+
+ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 429, 503, 504)}
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+
+@router.get("/models", response_model=ModelList)
+def list_models(request: Request) -> ModelList:
+    return ModelList(data=[_card(request)])
+
+
+@router.get("/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
+def get_model(model_id: str, request: Request) -> ModelCard:
+    _check_model(request, model_id)
+    return _card(request)
+
+
+@router.post("/completions", response_model=Completion, responses=ERRORS)
+async def create_completion(body: CompletionRequest, request: Request):
+    """Continue a prompt (text or token ids; a batch gives ``len(prompt) * n`` choices)."""
+    start = time.perf_counter()
+    _check_model(request, body.model)
+    if body.echo:
+        raise unsupported("echo")
+    if body.suffix is not None:
+        raise unsupported("suffix")
+    n = body.n or 1
+    if body.best_of is not None and body.best_of != n:
+        raise unsupported("best_of")
+    plan = Plan(
+        params=_sampling_params(body, body.logprobs),
+        max_tokens=body.max_tokens,
+        n=n,
+        prompts=_prompts(body.prompt),
+        **_speculative(body.speculative),
+    )
+    answer = CompletionAnswer(_name(request), _include_usage(body), logprobs=body.logprobs is not None)
+    return await _answer(request, plan, answer, bool(body.stream), start)
+
+
+@router.post("/chat/completions", response_model=ChatCompletion, responses=ERRORS)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+    """Answer a conversation, rendered by the tokenizer's chat template or the plain fallback."""
+    start = time.perf_counter()
+    _check_model(request, body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    plan = Plan(
+        params=_sampling_params(body, logprobs),
+        max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
+        n=body.n or 1,
+        messages=message_dicts(body.messages),
+        **_speculative(body.speculative),
+    )
+    answer = ChatAnswer(_name(request), _include_usage(body), logprobs=bool(body.logprobs))
+    return await _answer(request, plan, answer, bool(body.stream), start)
+
+
+async def _answer(
+    request: Request, plan: Plan, answer: CompletionAnswer | ChatAnswer, stream: bool, start: float
+):
+    """Queue the plan, wait for the engine's verdict on it, then answer whole or as a stream."""
+    state = request.app.state.ddtree
+    state.model()  # 503 while loading
+    metrics, config = state.metrics, state.config
+    job = Job(partial(run_plan, plan=plan, metrics=metrics), asyncio.get_running_loop())
+    try:
+        state.worker.submit(job)
+    except QueueFull:
+        raise APIError(
+            429,
+            f"the server is busy ({config.max_queue} requests are waiting); retry shortly",
+            "rate_limit_error",
+            None,
+            "queue_full",
+            {"Retry-After": str(config.retry_after)},
+        ) from None
+    except ShuttingDown:
+        raise APIError(
+            503, "the server is shutting down", "service_unavailable", None, "shutting_down"
+        ) from None
+    items = job_items(
+        job, request, state.worker, metrics, start + config.request_timeout, config.request_timeout
+    )
+    first_token = _once(lambda: metrics.first_token.observe(time.perf_counter() - start))
+    try:
+        started = await anext(items)
+    except BaseException:
+        await items.aclose()
+        raise
+    assert isinstance(started, Started)
+    answer.start(started)
+    if stream:
+        return EventStreamResponse(event_stream(items, answer, first_token))
+    try:
+        async for piece in items:
+            if piece.num_tokens:
+                first_token()
+            answer.add(piece)
+    finally:
+        await items.aclose()
+    return answer.response()
+
+
+def _sampling_params(body: GenerationRequest, logprobs: int | None) -> SamplingParams:
+    """OpenAI's defaults (temperature 1, top_p 1); raises DDTreeError (a 400) on a bad combination."""
+    if body.frequency_penalty:
+        raise unsupported("frequency_penalty")
+    if body.presence_penalty:
+        raise unsupported("presence_penalty")
+    if body.logit_bias:
+        raise unsupported("logit_bias")
+    if body.stream_options is not None and not body.stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    temperature = 1.0 if body.temperature is None else body.temperature
+    stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else []
+    return SamplingParams(
+        temperature=temperature,
+        top_k=max(body.top_k or 0, 0),
+        top_p=1.0 if body.top_p is None else body.top_p,
+        min_p=body.min_p or 0.0,
+        seed=body.seed,
+        max_new_tokens=1,  # the engine thread sets the real one once it knows the prompt's length
+        stop=tuple(stop),
+        ignore_eos=bool(body.ignore_eos),
+        logprobs=logprobs,
+    )
+
+
+def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """One prompt or a batch, as a list of prompts; none may be empty."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) or not prompt:
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if any(len(p) == 0 for p in prompts):
+        raise invalid("prompt is empty", "prompt")
+    return prompts
+
+
+def _speculative(option: bool | SpeculativeOptions | None) -> dict:
+    if option is None or option is True:
+        return {}
+    if option is False:
+        return {"method": "ar"}
+    return option.model_dump(exclude_none=True)
+
+
+def _include_usage(body: GenerationRequest) -> bool:
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+
+def _name(request: Request) -> str:
+    return request.app.state.ddtree.config.model_name
+
+
+def _check_model(request: Request, model: str | None) -> None:
+    name = _name(request)
+    if model is not None and model != name:
+        message = f"the model {model!r} does not exist; this server serves {name!r}"
+        raise APIError(404, message, param="model", code="model_not_found")
+
+
+def _card(request: Request) -> ModelCard:
+    state = request.app.state.ddtree
+    model = state.worker.engine
+    return ModelCard(
+        id=state.config.model_name,
+        created=int(state.started_at),
+        max_model_len=model.max_positions if model is not None else None,
+    )
+
+
+def _once(action):
+    done = False
+
+    def run() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            action()
+
+    return run

@@ -1,0 +1,251 @@
+"""The OpenAI wire format the server speaks: request and response bodies as pydantic models.
+
+Requests are strict (no type coercion, unknown fields refused) so a client's typo is a 400 that names
+the field, never a silently ignored setting. Extensions beyond OpenAI's API are marked as such:
+``top_k``, ``min_p``, ``ignore_eos`` and ``speculative`` in requests, ``ddtree`` in responses.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 16  # choices per request; each is a whole generation on the one engine
+MAX_PROMPTS = 16  # prompts in one batched completions request
+MAX_STOP = 16
+MAX_LOGPROBS = 20  # as ddtree.params.MAX_LOGPROBS
+MAX_BUDGET = 4096  # a larger tree only costs the target's verify forward; this bounds one round
+MAX_TOPK = 1 << 20
+INT64 = 1 << 63
+
+FinishReason = Literal["stop", "length"]
+Method = Literal["ddtree", "dflash", "ar"]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+_T = TypeVar("_T")
+Batch = Annotated[list[_T], Field(max_length=MAX_PROMPTS)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# -- requests -----------------------------------------------------------------------------------------
+
+
+class SpeculativeOptions(_Strict):
+    """Extension: how this request is decoded; unset fields keep the server's defaults."""
+
+    method: Method | None = Field(None, description="ddtree (tree), dflash (linear chain) or ar (none)")
+    budget: int | None = Field(None, ge=1, le=MAX_BUDGET, description="draft tree nodes per round")
+    topk: int | None = Field(None, ge=1, le=MAX_TOPK, description="cap on candidates per tree depth")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = Field(None, description="send a last chunk with the usage (choices: [])")
+
+
+class GenerationRequest(_Strict):
+    """Fields completions and chat share. ``None`` always means "the default"."""
+
+    model: str | None = Field(None, description="must name the served model; omitted = the served one")
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description="0 (or below 1e-5) = greedy decoding"
+    )
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1, description="extension; 0 or -1 = off")
+    min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False, description="extension; 0 = off")
+    n: int | None = Field(None, ge=1, le=MAX_N, description="independent choices; seeded ones use seed + i")
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = Field(None, description="extension: keep going past end-of-sequence")
+    speculative: bool | SpeculativeOptions | None = Field(
+        None, description="extension: false = plain decoding (method ar); an object picks method/budget/topk"
+    )
+    frequency_penalty: float | None = Field(None, allow_inf_nan=False, description="only 0 is supported")
+    presence_penalty: float | None = Field(None, allow_inf_nan=False, description="only 0 is supported")
+    logit_bias: dict[str, float] | None = Field(None, description="only empty is supported")
+    user: str | None = None
+
+
+class CompletionRequest(GenerationRequest):
+    """``POST /v1/completions``: text (or token-id) prompts, one or a batch."""
+
+    prompt: str | list[int] | Batch[str] | Batch[list[int]] = Field(
+        description="text, token ids, or a batch of either (up to 16 prompts)"
+    )
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top-N alternatives per token")
+    echo: bool | None = Field(None, description="only false is supported")
+    suffix: str | None = Field(None, description="not supported")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="only equal to n is supported")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """``POST /v1/chat/completions``: messages rendered by the tokenizer's chat template (or the fallback)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens")
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true")
+    response_format: ResponseFormat | None = None
+    tools: list[dict] | None = Field(None, max_length=0, description="tools are not supported")
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+# -- responses ----------------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class SpeculativeStats(BaseModel):
+    """Extension: what speculation bought. ``tau`` is the mean of ``acceptance_lengths`` (one per round)."""
+
+    method: str
+    budget: int
+    tau: float
+    rounds: int
+    acceptance_lengths: list[int]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    ddtree: SpeculativeStats | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    ddtree: SpeculativeStats | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    ddtree: SpeculativeStats | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "ddtree"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    """Who answered: a deployer tells an old process from its replacement by pid, instance_id, started_at."""
+
+    status: str = Field(description="liveness: always ok")
+    state: Literal["loading", "warming", "ready", "failed"]
+    pid: int
+    instance_id: str
+    started_at: str = Field(description="ISO 8601, UTC")
+    uptime_seconds: float
+
+
+class NotReady(ErrorResponse, Health):
+    """``GET /ready`` while loading or warming up: an OpenAI error plus the identity fields."""

@@ -1,0 +1,223 @@
+"""Worker pieces -> OpenAI answers: one body (``stream: false``) or chunks (``stream: true``).
+
+One formatter serves one request. It accumulates every piece (usage and the ``ddtree`` stats need the
+totals either way) and, when streaming, turns each piece into the chunks OpenAI clients expect:
+completions send ``text`` per chunk; chat sends a role chunk, content chunks, then an empty delta with
+the finish_reason. The chunk that finishes a choice carries that choice's ``ddtree`` stats; with
+``stream_options.include_usage`` a last chunk with ``choices: []`` carries the usage and the totals.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ddtree.server.generation import Piece, Started, TokenInfo
+from ddtree.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChoiceLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    DeltaMessage,
+    SpeculativeStats,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    tokens: int = 0
+    logprobs: list[TokenInfo] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: SpeculativeStats | None = None
+    text_offset: int = 0  # completions logprobs: where the next token starts in the choice's text
+    opened: bool = False  # chat streaming: the role chunk was sent
+
+
+def total_stats(stats: list[SpeculativeStats]) -> SpeculativeStats | None:
+    """Several choices' stats as one: rounds and acceptance lengths pooled, tau over all rounds."""
+    if not stats:
+        return None
+    lengths = [n for s in stats for n in s.acceptance_lengths]
+    return SpeculativeStats(
+        method=stats[0].method,
+        budget=stats[0].budget,
+        tau=sum(lengths) / len(lengths) if lengths else 0.0,
+        rounds=len(lengths),
+        acceptance_lengths=lengths,
+    )
+
+
+class _Answer:
+    prefix = "cmpl"
+
+    def __init__(self, model: str, include_usage: bool = False, logprobs: bool = False) -> None:
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.include_usage = include_usage
+        self.logprobs = logprobs
+        self.prompt_tokens = 0
+        self.choices: dict[int, _Choice] = {}
+
+    def start(self, started: Started) -> None:
+        self.prompt_tokens = started.prompt_tokens
+
+    def add(self, piece: Piece) -> _Choice:
+        choice = self.choices.setdefault(piece.index, _Choice())
+        choice.text += piece.text
+        choice.tokens += piece.num_tokens
+        choice.logprobs += piece.logprobs
+        if piece.finish_reason is not None:
+            choice.finish_reason = piece.finish_reason
+            choice.stats = piece.stats
+        return choice
+
+    def usage(self) -> Usage:
+        completion = sum(c.tokens for c in self.choices.values())
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=self.prompt_tokens + completion,
+        )
+
+    def stats(self) -> SpeculativeStats | None:
+        return total_stats([c.stats for _, c in sorted(self.choices.items()) if c.stats is not None])
+
+    def _envelope(self, **fields) -> dict:
+        return {"id": self.id, "created": self.created, "model": self.model, **fields}
+
+    def closing_chunks(self) -> list[dict]:
+        if not self.include_usage:
+            return []
+        chunk = self._chunk([], usage=self.usage())
+        chunk["ddtree"] = _dump(self.stats())
+        return [chunk]
+
+    def _chunk(
+        self, choices: list, usage: Usage | None = None, stats: SpeculativeStats | None = None
+    ) -> dict:
+        raise NotImplementedError
+
+
+class CompletionAnswer(_Answer):
+    prefix = "cmpl"
+
+    def response(self) -> Completion:
+        choices = [
+            CompletionChoice(
+                index=i,
+                text=c.text,
+                logprobs=self._logprobs(c, c.logprobs) if self.logprobs else None,
+                finish_reason=c.finish_reason,
+            )
+            for i, c in sorted(self.choices.items())
+        ]
+        return Completion(**self._envelope(choices=choices, usage=self.usage(), ddtree=self.stats()))
+
+    def chunks(self, piece: Piece) -> list[dict]:
+        choice = self.add(piece)
+        if not (piece.text or piece.logprobs or piece.finish_reason):
+            return []
+        logprobs = self._logprobs(choice, piece.logprobs) if self.logprobs else None
+        item = CompletionChoice(
+            index=piece.index, text=piece.text, logprobs=logprobs, finish_reason=piece.finish_reason
+        )
+        return [self._chunk([item], stats=piece.stats)]
+
+    def _chunk(
+        self, choices: list, usage: Usage | None = None, stats: SpeculativeStats | None = None
+    ) -> dict:
+        body = Completion(**self._envelope(choices=choices, usage=usage)).model_dump(mode="json")
+        return _with_stats(body, stats)
+
+    @staticmethod
+    def _logprobs(choice: _Choice, infos: list[TokenInfo]) -> CompletionLogprobs:
+        """OpenAI's legacy layout: parallel lists; ``text_offset`` counts from the choice's start."""
+        offsets = []
+        for info in infos:
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(info.token)
+        return CompletionLogprobs(
+            tokens=[i.token for i in infos],
+            token_logprobs=[i.logprob for i in infos],
+            top_logprobs=[{s: v for s, _, v in i.top} for i in infos],
+            text_offset=offsets,
+        )
+
+
+class ChatAnswer(_Answer):
+    prefix = "chatcmpl"
+
+    def response(self) -> ChatCompletion:
+        choices = [
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content=c.text),
+                logprobs=_chat_logprobs(c.logprobs) if self.logprobs else None,
+                finish_reason=c.finish_reason,
+            )
+            for i, c in sorted(self.choices.items())
+        ]
+        return ChatCompletion(**self._envelope(choices=choices, usage=self.usage(), ddtree=self.stats()))
+
+    def chunks(self, piece: Piece) -> list[dict]:
+        choice = self.add(piece)
+        out = []
+        if not choice.opened:
+            choice.opened = True
+            out.append(
+                self._chunk(
+                    [ChatChunkChoice(index=piece.index, delta=DeltaMessage(role="assistant", content=""))]
+                )
+            )
+        if piece.text or piece.logprobs:
+            logprobs = _chat_logprobs(piece.logprobs) if self.logprobs else None
+            delta = DeltaMessage(content=piece.text)
+            out.append(self._chunk([ChatChunkChoice(index=piece.index, delta=delta, logprobs=logprobs)]))
+        if piece.finish_reason is not None:
+            end = ChatChunkChoice(index=piece.index, delta=DeltaMessage(), finish_reason=piece.finish_reason)
+            out.append(self._chunk([end], stats=piece.stats))
+        return out
+
+    def _chunk(
+        self, choices: list, usage: Usage | None = None, stats: SpeculativeStats | None = None
+    ) -> dict:
+        body = ChatCompletionChunk(**self._envelope(choices=choices, usage=usage)).model_dump(mode="json")
+        for c in body["choices"]:  # a delta names only what it carries
+            c["delta"] = {k: v for k, v in c["delta"].items() if v is not None}
+        return _with_stats(body, stats)
+
+
+def _chat_logprobs(infos: list[TokenInfo]) -> ChoiceLogprobs:
+    return ChoiceLogprobs(
+        content=[
+            TokenLogprob(
+                token=i.token,
+                logprob=i.logprob,
+                bytes=i.bytes,
+                top_logprobs=[TopLogprob(token=s, logprob=v, bytes=b) for s, b, v in i.top],
+            )
+            for i in infos
+        ]
+    )
+
+
+def _dump(stats: SpeculativeStats | None) -> dict | None:
+    return stats.model_dump(mode="json") if stats is not None else None
+
+
+def _with_stats(body: dict, stats: SpeculativeStats | None) -> dict:
+    body.pop("ddtree", None)
+    if stats is not None:
+        body["ddtree"] = _dump(stats)
+    return body

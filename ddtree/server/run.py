@@ -1,0 +1,134 @@
+"""``ddtree serve``: bind the port, hand the socket to uvicorn, load the models in the background.
+
+Binding comes first so a taken port fails in a second with a clear message, not after minutes of
+loading weights. SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish for up
+to ``--shutdown-timeout`` seconds and exits 0. A model that fails to load stops the server with exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import errno
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import uvicorn
+from uvicorn.config import LOGGING_CONFIG
+
+from ddtree.errors import DDTreeError
+from ddtree.server.app import ServerConfig, create_app
+
+LOAD_DELAY_ENV = "DDTREE_TEST_LOAD_DELAY"  # test hook: seconds to sleep before loading (a slow disk)
+
+
+def add_server_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
+    p.add_argument(
+        "--served-model-name", default=None, help="model id clients use (default: target dir name)"
+    )
+    p.add_argument(
+        "--max-queue", type=int, default=64, help="requests that may wait for the engine; more get 429"
+    )
+    p.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds per request, queue wait included"
+    )
+    p.add_argument(
+        "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM"
+    )
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--access-log", action="store_true", help="log every request")
+
+
+def bind(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A listening socket, or a DDTreeError that says why not (port taken, bad address)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise DDTreeError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # reuse TIME_WAIT ports; never a live listener
+    try:
+        sock.bind(address)
+        sock.listen(backlog)
+    except OSError as exc:
+        sock.close()
+        reason = "the port is already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+        raise DDTreeError(f"cannot listen on {host}:{port}: {reason}") from None
+    return sock
+
+
+def log_config(level: str) -> dict:
+    """uvicorn's logging, with ddtree's server logger on the same handler."""
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["ddtree"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    return config
+
+
+def run_app(app, sock: socket.socket, shutdown_timeout: float, level: str = "info", access_log: bool = False):
+    """Serve ``app`` on ``sock`` until SIGTERM/SIGINT; returns the uvicorn server once it has stopped."""
+    config = uvicorn.Config(
+        app,
+        log_config=log_config(level),
+        log_level=level,
+        access_log=access_log,
+        timeout_graceful_shutdown=shutdown_timeout,
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+    app.state.uvicorn = server
+    # uvicorn re-raises the signal it caught once it has shut down; with these no-op handlers the process
+    # then exits normally (0) instead of dying by the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run(sockets=[sock])
+    return server
+
+
+def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespace], object]) -> None:
+    """The ``serve`` command: checks flags, binds, serves; raises DDTreeError for the CLI's exit 2."""
+    from ddtree.engine import check_engine_options
+
+    check_engine_options(args.method, args.budget, args.topk, has_drafter=True)
+    if not 0 <= args.port <= 65535:
+        raise DDTreeError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_queue < 0:
+        raise DDTreeError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not args.request_timeout > 0 or not args.shutdown_timeout >= 0:
+        raise DDTreeError("--request-timeout must be > 0 and --shutdown-timeout >= 0")
+    if args.target is not None and not Path(args.target).is_dir():
+        raise DDTreeError(f"target directory {args.target} does not exist")
+    delay = float(os.environ.get(LOAD_DELAY_ENV, "0") or 0)
+
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    print(f"ddtree serve: listening on http://{host}:{port} (pid {os.getpid()})", file=sys.stderr, flush=True)
+
+    def load():
+        if delay > 0:
+            time.sleep(delay)
+        return engine_from_args(args)
+
+    failures: list[BaseException] = []
+
+    def load_failed(exc: BaseException) -> None:
+        failures.append(exc)
+        app.state.uvicorn.should_exit = True
+
+    config = ServerConfig(
+        model_name=args.served_model_name or (Path(args.target).name if args.target else "ddtree-default"),
+        max_queue=args.max_queue,
+        request_timeout=args.request_timeout,
+    )
+    app = create_app(load, config, on_load_failed=load_failed)
+    run_app(app, sock, args.shutdown_timeout, args.log_level, args.access_log)
+    if failures:
+        raise DDTreeError(f"cannot serve: {failures[0]}")

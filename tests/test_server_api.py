@@ -1,0 +1,268 @@
+"""The HTTP API in process (Starlette's TestClient runs the app and its lifespan): shapes and errors."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from ddtree.engine import Engine
+from ddtree.params import SamplingParams
+from ddtree.server import ServerConfig, create_app
+from ddtree.server.chat import plain_prompt
+from ddtree.server.tokens import TokenNames
+from tests.test_server_support import save_models, sse_events
+
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    return save_models(tmp_path_factory.mktemp("api-models"))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dirs) -> Engine:
+    return Engine.from_pretrained(*model_dirs, budget=16)
+
+
+def start(factory, **config) -> TestClient:
+    client = TestClient(create_app(factory, ServerConfig(model_name="tiny", **config)))
+    client.__enter__()
+    return client
+
+
+@pytest.fixture(scope="module")
+def http(engine):
+    client = start(lambda: engine)
+    wait_until_ready(client)
+    yield client
+    client.__exit__(None, None, None)
+
+
+def wait_until_ready(client: TestClient, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while client.get("/ready").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def error_of(response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+COMPLETION = {"model": "tiny", "prompt": "def", "max_tokens": 4}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+C, CH = "/v1/completions", "/v1/chat/completions"
+
+# fmt: off
+BAD_REQUESTS = [
+    (C, "{not json", None, "invalid_json"),
+    (C, "[1, 2]", None, None),
+    (C, '"text"', None, None),
+    (C, {"model": "tiny"}, "prompt", "missing_required_parameter"),
+    (C, COMPLETION | {"max_tokens": "4"}, "max_tokens", None),
+    (C, COMPLETION | {"max_tokens": 4.0}, "max_tokens", None),
+    (C, COMPLETION | {"stream": "yes"}, "stream", None),
+    (C, COMPLETION | {"bogus": 1}, "bogus", "unknown_parameter"),
+    (C, COMPLETION | {"temperature": -1}, "temperature", None),
+    (C, COMPLETION | {"top_p": 0}, "top_p", None),
+    (C, COMPLETION | {"n": 0}, "n", None),
+    (C, COMPLETION | {"logprobs": 21}, "logprobs", None),
+    (C, COMPLETION | {"max_tokens": 0}, "max_tokens", None),
+    (C, COMPLETION | {"stop": [""]}, "stop[0]", None),
+    (C, COMPLETION | {"prompt": ""}, "prompt", None),
+    (C, COMPLETION | {"prompt": []}, "prompt", None),
+    (C, COMPLETION | {"prompt": [[1], []]}, "prompt", None),
+    (C, COMPLETION | {"prompt": [10_000]}, "prompt", None),
+    (C, COMPLETION | {"prompt": "def " * 80}, "prompt", "context_length_exceeded"),
+    (C, COMPLETION | {"max_tokens": 100}, "max_tokens", "context_length_exceeded"),
+    (C, COMPLETION | {"max_tokens": 100, "stream": True}, "max_tokens", "context_length_exceeded"),
+    (C, COMPLETION | {"echo": True}, "echo", "unsupported_parameter"),
+    (C, COMPLETION | {"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
+    (C, COMPLETION | {"stream_options": {"include_usage": True}}, "stream_options", None),
+    (C, COMPLETION | {"speculative": {"method": "beam"}}, "speculative.method", None),
+    (C, COMPLETION | {"speculative": {"budget": 0}}, "speculative.budget", None),
+    (C, COMPLETION | {"seed": 1 << 70}, "seed", None),
+    (CH, CHAT | {"messages": []}, "messages", None),
+    (CH, CHAT | {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", None),
+    (CH, CHAT | {"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
+    (CH, CHAT | {"top_logprobs": 2}, "top_logprobs", None),
+    (CH, CHAT | {"tools": [{"type": "function"}]}, "tools", None),
+    (CH, CHAT | {"response_format": {"type": "json_object"}}, "response_format.type", None),
+]
+# fmt: on
+
+
+@pytest.mark.parametrize(("path", "body", "param", "code"), BAD_REQUESTS)
+def test_client_mistakes_are_400_with_the_openai_error_shape(http, path, body, param, code):
+    if isinstance(body, str):
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = http.post(path, json=body)
+    error = error_of(r, 400)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param and error["code"] == code, error
+
+
+def test_unknown_model_route_and_method_are_404_and_405(http):
+    error = error_of(http.post("/v1/completions", json=COMPLETION | {"model": "gpt-4"}), 404)
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    assert error_of(http.get("/v1/models/gpt-4"), 404)["code"] == "model_not_found"
+    assert error_of(http.get("/v2/nothing"), 404)["code"] == "not_found"
+    assert error_of(http.get("/v1/completions"), 405)["code"] == "method_not_allowed"
+    assert error_of(http.post("/v1/completions", content=b"\xff\xfe"), 400)
+
+
+def test_models_health_and_identity(http):
+    models = http.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
+    assert models["data"][0]["max_model_len"] == 64
+    assert http.get("/v1/models/tiny").json()["id"] == "tiny"
+    health, ready = http.get("/health").json(), http.get("/ready").json()
+    assert health["status"] == "ok" and health["state"] == ready["state"] == "ready"
+    assert health["instance_id"] == ready["instance_id"] and len(health["instance_id"]) == 32
+    assert isinstance(health["pid"], int) and health["started_at"].endswith("+00:00")
+
+
+def test_completion_stream_chunks_usage_and_stats(http, engine):
+    body = COMPLETION | {
+        "temperature": 0,
+        "max_tokens": 10,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text.splitlines())
+    assert events[-1] == "[DONE]"
+    chunks, usage = events[:-2], events[-2]
+    assert all(c["object"] == "text_completion" and c["usage"] is None for c in chunks)
+    assert len({c["id"] for c in events[:-1]}) == 1
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 10
+    expected = engine.generate("def", SamplingParams(max_new_tokens=10))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected.text
+    finishing = [c for c in chunks if c["choices"][0]["finish_reason"]]
+    assert (
+        len(finishing) == 1
+        and finishing[0]["ddtree"]["acceptance_lengths"] == expected.stats.acceptance_lengths
+    )
+
+
+def test_batched_prompts_times_n_choices_are_indexed_prompt_major(http, engine):
+    body = COMPLETION | {"prompt": ["def", "import"], "n": 2, "temperature": 0, "max_tokens": 6}
+    choices = http.post("/v1/completions", json=body).json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    for c, prompt in zip(choices, ["def", "def", "import", "import"], strict=True):
+        assert c["text"] == engine.generate(prompt, SamplingParams(max_new_tokens=6)).text
+    ids = engine.encode("def")
+    by_ids = http.post(
+        "/v1/completions", json=COMPLETION | {"prompt": ids, "temperature": 0, "max_tokens": 6}
+    )
+    assert by_ids.json()["choices"][0]["text"] == choices[0]["text"]
+
+
+def test_chat_defaults_to_the_rest_of_the_context_and_accepts_text_parts(http, engine):
+    parts = {"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}
+    r = http.post("/v1/chat/completions", json={"messages": [parts], "temperature": 0, "ignore_eos": True})
+    answer = r.json()
+    prompt = plain_prompt([{"role": "user", "content": "hi"}])
+    room = 64 - len(engine.encode(prompt))
+    assert answer["usage"]["completion_tokens"] == room and answer["choices"][0]["finish_reason"] == "length"
+    assert answer["model"] == "tiny" and answer["object"] == "chat.completion"
+
+
+def test_plain_fallback_prompt_format():
+    messages = [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "developer", "content": "Only numbers."},
+        {"role": "user", "content": "2 + 2?"},
+    ]
+    expected = (
+        "System: Be terse.\nUser: Hi\nAssistant: Hello.\nSystem: Only numbers.\nUser: 2 + 2?\nAssistant:"
+    )
+    assert plain_prompt(messages) == expected
+
+
+def test_a_tokenizer_chat_template_is_used_when_there_is_one(tmp_path):
+    target, drafter = save_models(tmp_path, chat_template=TEMPLATE)
+    engine = Engine.from_pretrained(target, drafter, budget=16)
+    client = start(lambda: engine)
+    try:
+        wait_until_ready(client)
+        messages = [{"role": "user", "content": "def"}]
+        rendered = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert rendered == "<|user|>def\n<|assistant|>"
+        expected = engine.generate(rendered, SamplingParams(max_new_tokens=8))
+        r = client.post(
+            "/v1/chat/completions", json={"messages": messages, "temperature": 0, "max_tokens": 8}
+        )
+        assert r.json()["choices"][0]["message"]["content"] == expected.text
+        assert r.json()["usage"]["prompt_tokens"] == len(engine.encode(rendered))
+    finally:
+        client.__exit__(None, None, None)
+
+
+def test_generation_answers_503_until_the_engine_is_loaded_and_warm(engine):
+    loaded = threading.Event()
+
+    def slow_factory():
+        loaded.wait(30)
+        return engine
+
+    client = start(slow_factory)
+    try:
+        assert client.get("/health").json()["state"] == "loading"
+        not_ready = client.get("/ready")
+        assert not_ready.status_code == 503 and not_ready.json()["error"]["code"] == "model_loading"
+        assert error_of(client.post("/v1/completions", json=COMPLETION), 503)["code"] == "model_loading"
+        assert error_of(client.post("/v1/completions", json={"prompt": 5}), 400)  # validation comes first
+        loaded.set()
+        wait_until_ready(client)
+        assert client.post("/v1/completions", json=COMPLETION).status_code == 200
+    finally:
+        loaded.set()
+        client.__exit__(None, None, None)
+
+
+def test_a_failed_load_is_reported_and_handed_to_the_caller(tmp_path):
+    failures = []
+
+    def broken():
+        raise OSError("disk on fire")
+
+    client = TestClient(create_app(broken, ServerConfig(), on_load_failed=failures.append))
+    with client:
+        for _ in range(200):
+            if failures:
+                break
+            time.sleep(0.01)
+        error = error_of(client.post("/v1/completions", json={"prompt": "x"}), 503)
+        assert error["code"] == "model_load_failed" and "disk on fire" in error["message"]
+        assert client.get("/health").status_code == 200
+    assert isinstance(failures[0], OSError)
+
+
+def test_token_names_are_the_tokens_utf8_bytes(engine):
+    names = TokenNames(engine.tokenizer)
+    assert names.byte_level
+    tokenizer = engine.tokenizer
+    for token_id in range(len(tokenizer)):
+        text, raw = names.lookup(token_id)
+        if token_id in tokenizer.all_special_ids:
+            assert text == tokenizer.convert_ids_to_tokens(token_id)
+            continue
+        assert bytes(raw).decode("utf-8", errors="replace") == text
+        assert bytes(raw).decode("utf-8", errors="replace") == tokenizer.decode([token_id])

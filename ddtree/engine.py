@@ -30,7 +30,7 @@ from ddtree.tree import DraftTree, build_ddtree_tree, compile_ddtree_retrieve
 from ddtree.verify import follow_verified_tree, tree_verify_inputs
 
 METHODS = ("ddtree", "dflash", "ar")
-STAGES = ("draft", "tree", "compile", "verify", "commit")
+STAGES = ("draft", "tree", "compile", "verify", "accept", "commit")
 
 
 def check_engine_options(
@@ -307,6 +307,7 @@ class Engine:
             logits, features = self._target_forward(ids, positions, mask, state.cache, method != "ar")
             state.features = features
             logits = logits[0]  # [N, V]
+        with self._stage(stats, "accept"):
             if params.greedy:
                 return *follow_verified_tree(tree, logits.argmax(dim=-1).tolist()), logits
             probs = target_probs_from_logits(logits, params)  # [N, V]
@@ -316,18 +317,18 @@ class Engine:
 
     def _draft(self, state: _Decode) -> torch.Tensor:
         """One drafter pass over [root, MASK x (block_size - 1)]; returns draft logits [block_size - 1, V]."""
-        drafter = state.draft_cache
+        cache = state.draft_cache
         bs = self.drafter.block_size
         block = torch.full((1, bs), self.drafter.mask_token_id, device=self.device)
         block[0, 0] = state.root
         ctx_len = state.features.shape[1]
-        ctx_start = drafter.length
+        ctx_start = cache.length
         hidden = self.drafter(
             self.embed(block),
             state.features,
             block_positions=torch.arange(state.start, state.start + bs, device=self.device)[None],
             ctx_positions=torch.arange(ctx_start, ctx_start + ctx_len, device=self.device)[None],
-            cache=drafter,
+            cache=cache,
         )  # [1, bs, H]
         state.features = None
         return self.lm_head(hidden[0, 1:]).float()

@@ -58,9 +58,8 @@ def build_ddtree_tree(
     depth_max, vocab = draft_logits.shape
     k = min(budget if topk is None else topk, budget, vocab)
 
-    top = torch.log_softmax(draft_logits.float(), dim=-1).topk(k, dim=-1)  # sorted descending, [L, K]
-    # One device->host transfer for both: token ids < 2**53 are exact in float64.
-    vals, ids = torch.stack((top.values.double(), top.indices.double())).cpu().tolist()  # [L][K] each
+    ranked = _RankedCandidates(torch.log_softmax(draft_logits.float(), dim=-1), k)
+    vals, ids = ranked.vals, ranked.ids  # [L][<= K] each, grown on demand
 
     tokens, depths, parents, logw = [root_token], [0], [-1], [0.0]
     children: list[dict[int, int]] = [{}]
@@ -76,6 +75,7 @@ def build_ddtree_tree(
         children.append({})
         children[p][token] = node
         if r + 1 < k:  # next sibling: same parent, next-ranked token
+            ranked.ensure(d - 1, r + 1)
             heapq.heappush(heap, (-(logw[p] + vals[d - 1][r + 1]), d, r + 1, p))
         if d < depth_max:  # first child: best token at the next depth
             heapq.heappush(heap, (neg_score - vals[d][0], d + 1, 0, node))
@@ -87,6 +87,35 @@ def build_ddtree_tree(
         logw=torch.tensor(logw, dtype=torch.float32),
         children=children,
     )
+
+
+class _RankedCandidates:
+    """Per-depth candidates sorted by draft log-prob, fetched from the device lazily.
+
+    A best-first tree rarely looks past the first few ranks of a depth, so one top-``FIRST_RANKS`` call
+    serves almost every round; a depth that needs more is re-ranked with a larger k (exact either way).
+    """
+
+    FIRST_RANKS = 32
+
+    def __init__(self, logp: torch.Tensor, k: int) -> None:
+        self.logp = logp  # [L, V] log-softmax of the draft logits
+        self.k = k
+        top = logp.topk(min(k, self.FIRST_RANKS), dim=-1)  # sorted descending, [L, K0]
+        # One device->host transfer for both: token ids < 2**53 are exact in float64.
+        self.vals, self.ids = torch.stack((top.values.double(), top.indices.double())).cpu().tolist()
+
+    def ensure(self, depth: int, rank: int) -> None:
+        """Make rank ``rank`` (< k) of row ``depth`` available in ``vals`` / ``ids``."""
+        have = len(self.vals[depth])
+        if rank >= have:
+            top = self.logp[depth].topk(min(self.k, max(2 * have, rank + 1)))
+            known = set(self.ids[depth])
+            # Tokens beyond the known ones rank no higher than all of them, so appending keeps the order.
+            for v, i in zip(top.values.double().tolist(), top.indices.double().tolist(), strict=True):
+                if i not in known:
+                    self.vals[depth].append(v)
+                    self.ids[depth].append(i)
 
 
 @dataclass

@@ -52,7 +52,7 @@ def test_generate_streams_the_engines_greedy_text_and_prints_stats(model_dirs):
     assert run.stdout == prompt + expected.text + "\n"
     stats = json.loads(run.stderr[run.stderr.index("{") :])
     assert stats["method"] == "ddtree" and stats["rounds"] >= 1 and stats["tau"] >= 1.0
-    assert set(stats["stage_seconds"]) == {"draft", "tree", "compile", "verify", "commit"}
+    assert set(stats["stage_seconds"]) == {"draft", "tree", "compile", "verify", "accept", "commit"}
 
 
 def test_sampled_generation_with_a_seed_repeats(model_dirs):

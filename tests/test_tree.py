@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ddtree.errors import DDTreeError
-from ddtree.tree import DraftTree, build_ddtree_tree, compile_ddtree_retrieve
+from ddtree.tree import DraftTree, _RankedCandidates, build_ddtree_tree, compile_ddtree_retrieve
 
 CASES = [
     # (L, V, budget, topk)
@@ -75,8 +75,11 @@ def _check_structure(tree: DraftTree, root_token: int) -> None:
     assert tree.children == expected_children
 
 
+@pytest.mark.parametrize("first_ranks", [32, 1, 2])
 @pytest.mark.parametrize("depth_max,vocab,budget,topk", CASES)
-def test_tree_is_the_budget_most_probable_prefixes(depth_max, vocab, budget, topk):
+def test_tree_is_the_budget_most_probable_prefixes(depth_max, vocab, budget, topk, first_ranks, monkeypatch):
+    """Also with the lazy candidate fetch forced to grow (first_ranks 1 or 2 of a depth fetched at first)."""
+    monkeypatch.setattr(_RankedCandidates, "FIRST_RANKS", first_ranks)
     gen = torch.Generator().manual_seed(1000 * depth_max + 10 * vocab + budget)
     logits = torch.randn(depth_max, vocab, generator=gen) * 2.0
     tree = build_ddtree_tree(logits, budget, topk=topk, root_token=7)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import statistics
 from collections import Counter, defaultdict
 
-STAGES = ("draft", "tree", "compile", "verify", "commit")  # the engine's timers today
 FORWARD_STAGES = ("draft", "verify")  # the stages that hold the drafter and target forwards
 REFERENCE = "ar"  # the label every speedup divides by, and the T = 0 reference output
 
@@ -117,7 +116,7 @@ def histogram_fractions(histogram: dict[int, int]) -> dict[int, float]:
 def stage_breakdown(records: list[dict]) -> dict | None:
     """Per-round stage seconds, their shares of decode time, and the overhead fraction; None for HF.
 
-    The stages are whatever the engine timed (``STAGES`` today), so a finer timer added to the engine
+    The stages are whatever the engine timed (``ddtree.engine.STAGES``), so a finer timer added to the engine
     (say ``accept`` split out of ``verify``) shows up here without a change.
     """
     timed = [r for r in records if r.get("stage_seconds") is not None]

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import fields
 from pathlib import Path
 
 from ddtree.errors import DDTreeError
 from ddtree.training.drafter import register_drafter
+from ddtree.training.flags import add_dataclass_flags, dataclass_from_args
 from ddtree.training.target import TargetConfig, train_target
 from ddtree.training.tokenizer import train_tokenizer
 
@@ -34,12 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tgt.add_argument("--resume", action="store_true", help="continue from WORK_DIR/checkpoint.pt")
     tgt.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     tgt.add_argument("--corpus-root", type=Path, default=None, help="default: this interpreter's stdlib")
-    for f in fields(TargetConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(f.default, bool):
-            tgt.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            tgt.add_argument(flag, type=type(f.default), default=f.default, help=f"default {f.default}")
+    add_dataclass_flags(tgt, TargetConfig)
     tgt.set_defaults(func=_run_target)
 
     register_drafter(sub)
@@ -51,7 +46,7 @@ def _run_tokenizer(args: argparse.Namespace) -> None:
 
 
 def _run_target(args: argparse.Namespace) -> None:
-    cfg = TargetConfig(**{f.name: getattr(args, f.name) for f in fields(TargetConfig)})
+    cfg = dataclass_from_args(TargetConfig, args)
     metrics = train_target(
         args.tokenizer,
         args.out,

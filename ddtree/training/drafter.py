@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -36,6 +34,7 @@ from tqdm import tqdm
 from ddtree.drafter import DFlashDrafter, dflash_config
 from ddtree.errors import DDTreeError
 from ddtree.models import eos_token_ids, load_target
+from ddtree.training.checkpoint import CHECKPOINT, SAVE_DTYPES, load_checkpoint, save_checkpoint
 from ddtree.training.distill import (
     ListPrompts,
     StreamPrompts,
@@ -43,11 +42,11 @@ from ddtree.training.distill import (
     read_prompts,
     weights_fingerprint,
 )
+from ddtree.training.flags import add_dataclass_flags, dataclass_from_args
+from ddtree.training.loop import autocast, lr_at, make_optimizer, progress, step_bar
 
-CHECKPOINT = "checkpoint.pt"
 DATA = "data.pt"
 METRICS = "training.json"
-SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 MASK_TOKEN = "<|mask|>"
 GAMMAS = {8: 4.0, 10: 5.0, 16: 7.0}  # DFlash's loss-decay constants per block size
 
@@ -306,36 +305,6 @@ def drafter_loss(
     return loss, accepted
 
 
-# -- schedule ------------------------------------------------------------------------------------------
-
-
-def progress(step: int, seconds: float, cfg: DrafterConfig) -> float:
-    """Fraction of the run done, by steps or by the clock when ``max_minutes`` runs out first."""
-    by_steps = step / cfg.steps
-    return max(by_steps, seconds / (60 * cfg.max_minutes)) if cfg.max_minutes else by_steps
-
-
-def lr_at(step: int, cfg: DrafterConfig, frac: float | None = None) -> float:
-    """Linear warmup to ``lr``, then cosine decay to ``min_lr_ratio * lr`` as ``frac`` goes 0 -> 1."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = step / cfg.steps if frac is None else frac
-    warm = cfg.warmup_steps / cfg.steps
-    decay = (frac - warm) / max(1e-9, 1 - warm)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, decay))))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
-
-
-def make_optimizer(drafter: DFlashDrafter, cfg: DrafterConfig) -> torch.optim.AdamW:
-    """Weight decay on matrices only; norms' gains are not decayed."""
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-
-
 # -- building blocks of the run ------------------------------------------------------------------------
 
 
@@ -437,40 +406,6 @@ def evaluate_tau(
     return result
 
 
-def _check_resumable(saved: DrafterConfig, cfg: DrafterConfig) -> None:
-    diff = [
-        f.name
-        for f in fields(DrafterConfig)
-        if f.name not in RUN_FIELDS and getattr(saved, f.name) != getattr(cfg, f.name)
-    ]
-    if diff:
-        raise DDTreeError(f"--resume with settings that differ from the checkpoint: {', '.join(diff)}")
-
-
-def _save_checkpoint(
-    path: Path,
-    cfg: DrafterConfig,
-    drafter: DFlashDrafter,
-    opt: torch.optim.Optimizer,
-    step: int,
-    elapsed: float,
-    history: list[list[float]],
-) -> None:
-    """Write-then-rename, so a run killed mid-save still leaves the previous checkpoint intact."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    state = {
-        "config": asdict(cfg),
-        "step": step,
-        "elapsed": elapsed,
-        "history": history,
-        "drafter": drafter.state_dict(),
-        "optimizer": opt.state_dict(),
-    }
-    torch.save(state, tmp)
-    tmp.replace(path)
-
-
 def _save_final(drafter: DFlashDrafter, out: Path, cfg: DrafterConfig) -> DFlashDrafter:
     """Save in ``save_dtype`` (public DFlash format), reload in fp32: the returned drafter is what ships."""
     config = drafter.config
@@ -507,8 +442,7 @@ def train_step(
     step on CPU); the features then carry bf16 rounding, a small train/inference gap the drafter tolerates.
     """
     anchors, valid = sample_anchors(lengths, prompt_lens, cfg.block_size, cfg.anchors, gen)  # [B, A]
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.bf16_autocast else nullcontext()
-    with autocast:
+    with autocast(cfg.bf16_autocast):
         features = target_features(target, drafter, ids)  # [B, T, F*H]
         loss, accepted = drafter_loss(
             drafter,
@@ -558,12 +492,7 @@ def train_drafter(
         torch.set_num_threads(threads)
 
     ckpt_path = work_dir / CHECKPOINT
-    state = None
-    if resume:
-        if not ckpt_path.is_file():
-            raise DDTreeError(f"--resume: no checkpoint at {ckpt_path}")
-        state = torch.load(ckpt_path, weights_only=True)
-        _check_resumable(DrafterConfig(**state["config"]), cfg)
+    state = load_checkpoint(ckpt_path, cfg, RUN_FIELDS) if resume else None
 
     model, tokenizer = load_frozen_target(target)
     vocab = model.get_input_embeddings().num_embeddings
@@ -608,13 +537,12 @@ def train_drafter(
     weights = loss_weights(cfg.block_size, cfg.gamma or None)
     labelled_per_step = cfg.batch_size * cfg.anchors * (cfg.block_size - 1)
     stop = cfg.steps if until_step is None else min(cfg.steps, until_step)
-    bar = tqdm(
-        total=cfg.steps,
-        initial=start,
-        unit="step",
-        dynamic_ncols=True,
-        mininterval=1.0 if sys.stderr.isatty() else 30.0,
-    )
+    bar = step_bar(cfg.steps, start)
+
+    def checkpoint(done: int, seconds: float) -> None:
+        parts = {"history": history, "drafter": drafter.state_dict(), "optimizer": opt.state_dict()}
+        save_checkpoint(ckpt_path, cfg, done, seconds, **parts)
+
     drafter.train()
     t0 = time.perf_counter()
     step = start
@@ -627,7 +555,7 @@ def train_drafter(
         if frac >= 1.0:
             break  # out of time: the schedule has already decayed to min_lr
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg, frac)
+            group["lr"] = lr_at(step, cfg, frac, progress_warmup=False)
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # resumed runs see the same batches
         indices = torch.randint(0, len(data), (cfg.batch_size,), generator=gen)
         ids, lengths, prompt_lens = data.batch(indices, pad_id)  # [B, T]
@@ -645,10 +573,10 @@ def train_drafter(
         )
         bar.update(1)
         if step % cfg.ckpt_every == 0:
-            _save_checkpoint(ckpt_path, cfg, drafter, opt, step, elapsed + time.perf_counter() - t0, history)
+            checkpoint(step, elapsed + time.perf_counter() - t0)
     bar.close()
     elapsed += time.perf_counter() - t0
-    _save_checkpoint(ckpt_path, cfg, drafter, opt, step, elapsed, history)
+    checkpoint(step, elapsed)
 
     def mean(col: int, rows: list[list[float]]) -> float | None:
         return round(sum(r[col] for r in rows) / len(rows), 4) if rows else None
@@ -713,17 +641,12 @@ def register_drafter(train_subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="checkpoint and stop after this step without finishing (resume later)",
     )
-    for f in fields(DrafterConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(f.default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            p.add_argument(flag, type=type(f.default), default=f.default, help=f"default {f.default!r}")
+    add_dataclass_flags(p, DrafterConfig, repr_defaults=True)
     p.set_defaults(func=_run_drafter)
 
 
 def _run_drafter(args: argparse.Namespace) -> None:
-    cfg = DrafterConfig(**{f.name: getattr(args, f.name) for f in fields(DrafterConfig)})
+    cfg = dataclass_from_args(DrafterConfig, args)
     metrics = train_drafter(
         args.target,
         args.out,

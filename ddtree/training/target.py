@@ -9,11 +9,9 @@ directory holds the weights (bf16 by default, to fit the repo budget), config an
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -22,13 +20,13 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
 from ddtree.errors import DDTreeError
+from ddtree.training.checkpoint import CHECKPOINT, SAVE_DTYPES, load_checkpoint, save_checkpoint
 from ddtree.training.data import sample_batch, token_stream
 from ddtree.training.evaluate import heldout_ce, unigram_ce
+from ddtree.training.loop import autocast, lr_at, make_optimizer, progress, step_bar
 from ddtree.training.tokenizer import MAX_LENGTH, load_tokenizer
 
-CHECKPOINT = "checkpoint.pt"
 METRICS = "training.json"
-SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -106,41 +104,6 @@ def build_model(cfg: TargetConfig, tokenizer: PreTrainedTokenizerBase) -> Qwen3F
     return Qwen3ForCausalLM(config)
 
 
-def progress(step: int, seconds: float, cfg: TargetConfig) -> float:
-    """Fraction of the run done: by steps, or by time when ``max_minutes`` would run out first.
-
-    On a shared CPU the step rate is unknown in advance; letting the clock advance the schedule
-    keeps a hard wall-time bound and still ends with a fully decayed learning rate.
-    """
-    by_steps = step / cfg.steps
-    return max(by_steps, seconds / (60 * cfg.max_minutes)) if cfg.max_minutes else by_steps
-
-
-def lr_at(step: int, cfg: TargetConfig, frac: float | None = None) -> float:
-    """Linear warmup over the first ``warmup_steps / steps`` of the run, then cosine decay to ``min_lr``.
-
-    ``frac`` is the run's progress (default: by steps). Warmup is measured in progress too, so a run the
-    clock cuts short does not spend most of its few steps warming up.
-    """
-    frac = step / cfg.steps if frac is None else frac
-    warm = cfg.warmup_steps / cfg.steps
-    if frac < warm:
-        return cfg.lr * max((step + 1) / cfg.warmup_steps, frac / warm)
-    decay = (frac - warm) / max(1e-9, 1 - warm)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, decay)))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
-
-
-def make_optimizer(model: torch.nn.Module, cfg: TargetConfig) -> torch.optim.AdamW:
-    """Weight decay on matrices (incl. the tied embedding) only; norms' gains are not decayed."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-
-
 def train_target(
     tokenizer: str | Path,
     out: str | Path,
@@ -164,12 +127,7 @@ def train_target(
         torch.set_num_threads(threads)
 
     ckpt_path = work_dir / CHECKPOINT
-    state = None
-    if resume:
-        if not ckpt_path.is_file():
-            raise DDTreeError(f"--resume: no checkpoint at {ckpt_path}")
-        state = torch.load(ckpt_path, weights_only=True)
-        _check_resumable(TargetConfig(**state["config"]), cfg)
+    state = load_checkpoint(ckpt_path, cfg, RUN_FIELDS) if resume else None
 
     train = token_stream(tok, "train", root)
     heldout = token_stream(tok, "heldout", root)
@@ -187,15 +145,12 @@ def train_target(
         file=sys.stderr,
     )
 
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.bf16_autocast else nullcontext()
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    bar = tqdm(
-        total=cfg.steps,
-        initial=start,
-        unit="step",
-        dynamic_ncols=True,
-        mininterval=1.0 if sys.stderr.isatty() else 30.0,
-    )
+    bar = step_bar(cfg.steps, start)
+
+    def checkpoint(done: int, seconds: float) -> None:
+        save_checkpoint(ckpt_path, cfg, done, seconds, model=model.state_dict(), optimizer=opt.state_dict())
+
     model.train()
     losses: list[float] = []
     t0 = time.perf_counter()
@@ -205,9 +160,9 @@ def train_target(
         if frac >= 1.0:
             break  # out of time: the schedule has already decayed to min_lr
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg, frac)
+            group["lr"] = lr_at(step, cfg, frac, progress_warmup=True)
         x, y = sample_batch(train, cfg.batch_size, cfg.seq_len, cfg.seed, step)  # (B, T) each
-        with autocast:
+        with autocast(cfg.bf16_autocast):
             logits = model(input_ids=x).logits  # (B, T, V)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         loss.backward()
@@ -230,10 +185,10 @@ def train_target(
             ce = heldout_ce(model, heldout, cfg.seq_len)
             tqdm.write(f"step {step}: held-out CE {ce:.4f}", file=sys.stderr)
         if step % cfg.ckpt_every == 0:
-            _save_checkpoint(ckpt_path, cfg, model, opt, step, elapsed + time.perf_counter() - t0)
+            checkpoint(step, elapsed + time.perf_counter() - t0)
     bar.close()
     elapsed += time.perf_counter() - t0
-    _save_checkpoint(ckpt_path, cfg, model, opt, step, elapsed)
+    checkpoint(step, elapsed)
 
     model = _save_final(model, tok, out, cfg)
     metrics = {
@@ -254,38 +209,6 @@ def train_target(
         file=sys.stderr,
     )
     return metrics
-
-
-def _check_resumable(saved: TargetConfig, cfg: TargetConfig) -> None:
-    diff = [
-        f.name
-        for f in fields(TargetConfig)
-        if f.name not in RUN_FIELDS and getattr(saved, f.name) != getattr(cfg, f.name)
-    ]
-    if diff:
-        raise DDTreeError(f"--resume with settings that differ from the checkpoint: {', '.join(diff)}")
-
-
-def _save_checkpoint(
-    path: Path,
-    cfg: TargetConfig,
-    model: torch.nn.Module,
-    opt: torch.optim.Optimizer,
-    step: int,
-    elapsed: float,
-) -> None:
-    """Write-then-rename, so a run killed mid-save still leaves the previous checkpoint intact."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    state = {
-        "config": asdict(cfg),
-        "step": step,
-        "elapsed": elapsed,
-        "model": model.state_dict(),
-        "optimizer": opt.state_dict(),
-    }
-    torch.save(state, tmp)
-    tmp.replace(path)
 
 
 def _save_final(

@@ -108,6 +108,8 @@ def _generate(args: argparse.Namespace) -> None:
     if args.stats:
         stats = delta.stats.as_dict()
         stats["finish_reason"] = delta.finish_reason
+        lengths = stats.pop("acceptance_lengths")  # one per round: summarised, the JSON stays readable
+        stats["acceptance_histogram"] = {n: lengths.count(n) for n in sorted(set(lengths))}
         print(json.dumps(stats, indent=2), file=sys.stderr)
 
 

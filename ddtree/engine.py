@@ -257,8 +257,9 @@ class Engine:
             [root], token_logprobs(logits[0, -1:], [root], params.logprobs) if want_logprobs else None
         )
         stats.prefill_seconds = self._now() - t0
-        yield self._delta(output, 0, stats, emitted_text)
-        emitted_text = output.stable_text()
+        delta = self._delta(output, 0, stats, emitted_text)
+        emitted_text += delta.text  # the text streamed so far, without decoding it a second time
+        yield delta
 
         while output.finish_reason is None:
             t_round = self._now()
@@ -271,8 +272,9 @@ class Engine:
             stats.acceptance_lengths.append(len(tokens))
             stats.decode_seconds += self._now() - t_round
             stats.decode_tokens += taken
-            yield self._delta(output, before, stats, emitted_text)
-            emitted_text = output.stable_text()
+            delta = self._delta(output, before, stats, emitted_text)
+            emitted_text += delta.text
+            yield delta
 
     def _round(
         self,

@@ -82,11 +82,20 @@ class DraftCache:
     def length(self) -> int:
         return 0 if self.keys[0] is None else self.keys[0].shape[2]
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys[layer] is not None:
-            k = torch.cat((self.keys[layer], k), dim=2)
+    def extend(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, num_ctx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prepend the cached context to ``k``/``v`` ([new context ; block]) and cache the context part.
+
+        Returns keys/values of [whole context ; block]. The block part is never cached: it lives for
+        one pass, which is the same as appending it and cropping it back.
+        """
+        cached = self.keys[layer]
+        if cached is not None:
+            k = torch.cat((cached, k), dim=2)
             v = torch.cat((self.values[layer], v), dim=2)
-        self.keys[layer], self.values[layer] = k, v
+        end = num_ctx + (0 if cached is None else cached.shape[2])
+        self.keys[layer], self.values[layer] = k[:, :, :end], v[:, :, :end]
         return k, v
 
 
@@ -114,30 +123,26 @@ class DFlashAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return _rotate(k, cos, sin), v  # [B, kv_heads, t, D] each
-
     def forward(
         self,
         x: torch.Tensor,  # [B, S, H] block hidden states
         ctx: torch.Tensor,  # [B, C, H] projected context features not yet cached (C may be 0)
-        rope_block: tuple[torch.Tensor, torch.Tensor],  # cos/sin [B, S, D]
-        rope_ctx: tuple[torch.Tensor, torch.Tensor],  # cos/sin [B, C, D]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin [B, C + S, D] of [new context ; block]
         cache: DraftCache | None,
         mask: torch.Tensor | None,  # [B, 1, S, context + S] bool (True = attend) or None for full
     ) -> torch.Tensor:
         b, s, _ = x.shape
+        c = ctx.shape[1]
+        cos, sin = rope
         q = self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim)).transpose(1, 2)
-        q = _rotate(q, *rope_block)  # [B, heads, S, D]
-        k_ctx, v_ctx = self._kv(ctx, *rope_ctx)
+        q = _rotate(q, cos[:, c:], sin[:, c:])  # [B, heads, S, D]
+        # New context and block share the key/value projections: one matmul each instead of two.
+        kv_in = torch.cat((ctx, x), dim=1)  # [B, C + S, H]
+        k = self.k_norm(self.k_proj(kv_in).view(b, c + s, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        k = _rotate(k, cos, sin)  # [B, kv_heads, C + S, D]
+        v = self.v_proj(kv_in).view(b, c + s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if cache is not None:
-            k_ctx, v_ctx = cache.append(self.layer_idx, k_ctx, v_ctx)
-        k_blk, v_blk = self._kv(x, *rope_block)
-        k = torch.cat((k_ctx, k_blk), dim=2)  # [B, kv_heads, context + S, D]
-        v = torch.cat((v_ctx, v_blk), dim=2)
+            k, v = cache.extend(self.layer_idx, k, v, c)  # [B, kv_heads, context + S, D]
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads
         )  # [B, heads, S, D]
@@ -152,8 +157,8 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_block, rope_ctx, cache, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_block, rope_ctx, cache, mask)
+    def forward(self, x, ctx, rope, cache, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope, cache, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -200,11 +205,10 @@ class DFlashDrafter(nn.Module):
     ) -> torch.Tensor:
         """Final (normed) hidden states of the block, [B, S, H]; apply the target's LM head to get logits."""
         ctx = self.hidden_norm(self.fc(features))  # [B, C, H]
-        rope_block = self.rotary_emb(block_embeds, block_positions)
-        rope_ctx = self.rotary_emb(ctx, ctx_positions)
+        rope = self.rotary_emb(ctx, torch.cat((ctx_positions, block_positions), dim=1))  # [B, C + S, D] x2
         x = block_embeds
         for layer in self.layers:
-            x = layer(x, ctx, rope_block, rope_ctx, cache, mask)
+            x = layer(x, ctx, rope, cache, mask)
         return self.norm(x)
 
     # -- checkpoint I/O in the public DFlash format ------------------------------------------------------

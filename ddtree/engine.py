@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from ddtree.commit import OutputState, TokenLogprobs, compact_kv_cache, token_logprobs
@@ -45,6 +46,14 @@ def check_engine_options(
     if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
         raise DDTreeError(f"topk must be an integer >= 1, got {topk!r}")
     return method, budget, topk
+
+
+def _fast_low_precision(device: torch.device) -> torch.dtype:
+    """bfloat16 where matmuls run it natively (CUDA with bf16, CPUs with AVX512-BF16), else float32."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    native = device.type == "cpu" and torch.cpu._is_avx512_bf16_supported()
+    return torch.bfloat16 if native else torch.float32
 
 
 @dataclass
@@ -132,6 +141,7 @@ class Engine:
         method: str = "ddtree",
         budget: int = 64,
         topk: int | None = None,
+        draft_head_dtype: torch.dtype | None = None,
     ) -> None:
         self.target = target.eval()
         self.drafter = drafter.eval() if drafter is not None else None
@@ -142,7 +152,12 @@ class Engine:
         self.device = next(target.parameters()).device
         self.dtype = next(target.parameters()).dtype
         self.embed = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
+        # The drafter only proposes tokens, so rounding in its LM head cannot change what is emitted; in
+        # bf16 the largest matmul of a draft pass reads half the bytes (and runs natively where supported).
+        head = target.get_output_embeddings()
+        head_dtype = draft_head_dtype or _fast_low_precision(self.device)
+        self.draft_head = head.weight.detach().to(head_dtype)  # [V, H]
+        self.draft_head_bias = None if head.bias is None else head.bias.detach().to(head_dtype)
         self.eos_token_ids = eos_token_ids(target, tokenizer)
         self.max_positions = int(getattr(target.config, "max_position_embeddings", 1 << 30))
 
@@ -333,7 +348,8 @@ class Engine:
             cache=cache,
         )  # [1, bs, H]
         state.features = None
-        return self.lm_head(hidden[0, 1:]).float()
+        hidden = hidden[0, 1:].to(self.draft_head.dtype)  # [block_size - 1, H]
+        return F.linear(hidden, self.draft_head, self.draft_head_bias).float()
 
     def _commit(self, state: _Decode, nodes: list[int], tokens: list[int]) -> None:
         accepted = torch.tensor(nodes, device=self.device)  # [m]

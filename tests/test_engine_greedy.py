@@ -54,6 +54,18 @@ def test_greedy_matches_plain_decoding(pair):
     assert accepted_more_than_one > 50  # the tree path was exercised, not just the bonus token
 
 
+@pytest.mark.parametrize("head_dtype", [torch.float32, torch.bfloat16])
+def test_draft_head_precision_changes_proposals_not_output(pair, head_dtype):
+    """The drafter's LM head may round (bf16 by default where it is native); only acceptance can change."""
+    target, drafter = pair
+    engine = Engine(target, drafter, method="ddtree", budget=16, draft_head_dtype=head_dtype)
+    assert engine.draft_head.dtype == head_dtype
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, SamplingParams(max_new_tokens=NEW))
+        assert result.token_ids == hf_greedy(target, prompt, NEW)
+        assert max(result.stats.acceptance_lengths) > 1
+
+
 def test_stop_token_inside_accepted_block_ends_generation_there(pair):
     target, drafter = pair
     engine = Engine(target, drafter, method="ddtree", budget=256)

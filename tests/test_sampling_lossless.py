@@ -147,7 +147,7 @@ def memoise(target: Qwen3ForCausalLM, drafter: DFlashDrafter) -> None:
             return out
         out, appended = seen_drafter[key]
         for i, (k, v) in enumerate(appended):
-            cache.append(i, k, v)
+            cache.extend(i, k, v, k.shape[2])
         return out
 
     target.forward = forward_target

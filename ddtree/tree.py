@@ -63,11 +63,15 @@ def build_ddtree_tree(
 
     tokens, depths, parents, logw = [root_token], [0], [-1], [0.0]
     children: list[dict[int, int]] = [{}]
+    pop, push = heapq.heappop, heapq.heappush
     # Entries (-score, depth, rank, parent node): the prefix is parent's prefix + the rank-th token at depth.
     heap: list[tuple[float, int, int, int]] = [(-vals[0][0], 1, 0, 0)] if depth_max > 0 else []
-    while heap and len(tokens) <= budget:
-        neg_score, d, r, p = heapq.heappop(heap)
-        node, token = len(tokens), int(ids[d - 1][r])
+    for node in range(1, budget + 1):
+        if not heap:
+            break
+        neg_score, d, r, p = pop(heap)
+        row = vals[d - 1]
+        token = ids[d - 1][r]
         tokens.append(token)
         depths.append(d)
         parents.append(p)
@@ -75,10 +79,11 @@ def build_ddtree_tree(
         children.append({})
         children[p][token] = node
         if r + 1 < k:  # next sibling: same parent, next-ranked token
-            ranked.ensure(d - 1, r + 1)
-            heapq.heappush(heap, (-(logw[p] + vals[d - 1][r + 1]), d, r + 1, p))
+            if r + 1 == len(row):
+                ranked.grow(d - 1, r + 1)
+            push(heap, (-(logw[p] + row[r + 1]), d, r + 1, p))
         if d < depth_max:  # first child: best token at the next depth
-            heapq.heappush(heap, (neg_score - vals[d][0], d + 1, 0, node))
+            push(heap, (neg_score - vals[d][0], d + 1, 0, node))
 
     return DraftTree(
         tokens=torch.tensor(tokens, dtype=torch.int64),
@@ -87,6 +92,27 @@ def build_ddtree_tree(
         logw=torch.tensor(logw, dtype=torch.float32),
         children=children,
     )
+
+
+def top_k_rows(x: torch.Tensor, k: int, groups: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.topk(k, dim=-1)`` (values and indices, sorted descending) for [L, V], fast when V >> k.
+
+    A top-k over a whole vocabulary is several passes. Instead split each row into V / ``groups``
+    strided groups (group j holds entries j, j + V / groups, ...): their maxima are one vectorised
+    pass. Every entry above the k-th largest value lies in a group whose maximum is above it, and fewer
+    than k groups qualify, so the top k lie in the k groups with the largest maxima, and a top-k over
+    those k * ``groups`` entries is exact (up to the order of equal values).
+    """
+    rows, vocab = x.shape
+    if vocab % groups or vocab < 16 * k * groups:  # small rows: one top-k is cheaper
+        return x.topk(k, dim=-1)
+    cols = vocab // groups
+    grid = x.view(rows, groups, cols)  # [L, G, V / G]; entry (g, j) is vocabulary id g * V / G + j
+    best = grid.amax(dim=1).topk(k, dim=-1).indices  # [L, k] columns j holding the top k
+    cand = grid.gather(2, best[:, None, :].expand(-1, groups, -1)).view(rows, -1)  # [L, G * k]
+    values, pos = cand.topk(k, dim=-1)  # [L, k]; pos = g * k + (index into best)
+    indices = (pos // k) * cols + best.gather(1, pos % k)  # [L, k] vocabulary ids
+    return values, indices
 
 
 class _RankedCandidates:
@@ -101,21 +127,20 @@ class _RankedCandidates:
     def __init__(self, logp: torch.Tensor, k: int) -> None:
         self.logp = logp  # [L, V] log-softmax of the draft logits
         self.k = k
-        top = logp.topk(min(k, self.FIRST_RANKS), dim=-1)  # sorted descending, [L, K0]
-        # One device->host transfer for both: token ids < 2**53 are exact in float64.
-        self.vals, self.ids = torch.stack((top.values.double(), top.indices.double())).cpu().tolist()
+        values, indices = top_k_rows(logp, min(k, self.FIRST_RANKS))  # sorted descending, [L, K0]
+        self.vals: list[list[float]] = values.double().cpu().tolist()
+        self.ids: list[list[int]] = indices.cpu().tolist()
 
-    def ensure(self, depth: int, rank: int) -> None:
+    def grow(self, depth: int, rank: int) -> None:
         """Make rank ``rank`` (< k) of row ``depth`` available in ``vals`` / ``ids``."""
         have = len(self.vals[depth])
-        if rank >= have:
-            top = self.logp[depth].topk(min(self.k, max(2 * have, rank + 1)))
-            known = set(self.ids[depth])
-            # Tokens beyond the known ones rank no higher than all of them, so appending keeps the order.
-            for v, i in zip(top.values.double().tolist(), top.indices.double().tolist(), strict=True):
-                if i not in known:
-                    self.vals[depth].append(v)
-                    self.ids[depth].append(i)
+        top = self.logp[depth].topk(min(self.k, max(2 * have, rank + 1)))
+        known = set(self.ids[depth])
+        # Tokens beyond the known ones rank no higher than all of them, so appending keeps the order.
+        for v, i in zip(top.values.double().tolist(), top.indices.tolist(), strict=True):
+            if i not in known:
+                self.vals[depth].append(v)
+                self.ids[depth].append(i)
 
 
 @dataclass

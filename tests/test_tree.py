@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ddtree.errors import DDTreeError
-from ddtree.tree import DraftTree, _RankedCandidates, build_ddtree_tree, compile_ddtree_retrieve
+from ddtree.tree import DraftTree, _RankedCandidates, build_ddtree_tree, compile_ddtree_retrieve, top_k_rows
 
 CASES = [
     # (L, V, budget, topk)
@@ -89,6 +89,43 @@ def test_tree_is_the_budget_most_probable_prefixes(depth_max, vocab, budget, top
     assert torch.allclose(
         torch.tensor([got[p] for p in keys]), torch.tensor([want[p] for p in keys]), atol=1e-5
     )
+
+
+@pytest.mark.parametrize(
+    "vocab,k,scale", [(32768, 32, 3.0), (32768, 1, 0.0), (151936, 64, 8.0), (8192, 5, 1.0)]
+)
+def test_grouped_top_k_equals_full_top_k(vocab, k, scale):
+    """The strided-group shortcut returns exactly ``topk``'s values, and ids holding those values."""
+    gen = torch.Generator().manual_seed(vocab + k)
+    x = torch.randn(15, vocab, generator=gen) * scale  # scale 0: every entry ties
+    x[3, 100:140] = 50.0  # many equal maxima in one row
+    values, indices = top_k_rows(x, k)
+    want = x.topk(k, dim=-1)
+    assert torch.equal(values, want.values)
+    assert torch.equal(x.gather(1, indices), values)
+    assert all(len(set(row)) == k for row in indices.tolist())
+    if scale > 0:  # without ties the ids are unique and must agree
+        assert torch.equal(indices[torch.arange(15) != 3], want.indices[torch.arange(15) != 3])
+
+
+def test_tree_over_a_large_vocabulary_is_the_budget_most_probable_prefixes():
+    """Budget 256 over 32k tokens and 15 positions (the grouped top-k path) against an exact reference."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(15, 32768, generator=gen) * 4.0
+    tree = build_ddtree_tree(logits, 256)
+    logp = torch.log_softmax(logits, dim=-1).double()
+    got = _prefixes(tree)
+    assert len(got) == 256
+    for prefix, logw in got.items():  # each prefix's logw is the sum of its per-depth log-probs
+        assert abs(logw - sum(logp[d, t].item() for d, t in enumerate(prefix))) < 1e-4
+    # Nothing left out beats the 256th: no child or next sibling of a chosen prefix scores higher.
+    worst = min(got.values())
+    ranked = logp.argsort(dim=-1, descending=True)[:, :257].tolist()
+    for prefix in [(), *got]:
+        d = len(prefix)
+        if d < 15:
+            child = next(t for t in ranked[d] if prefix + (t,) not in got)
+            assert sum(logp[i, t].item() for i, t in enumerate((*prefix, child))) <= worst + 1e-6
 
 
 @pytest.mark.parametrize("depth_max,vocab,budget,topk", CASES)

@@ -18,17 +18,19 @@ from ddtree.errors import DDTreeError
 from ddtree.params import SamplingParams
 
 
-def compact_kv_cache(cache: DynamicCache, start: int, num_nodes: int, accepted: torch.Tensor) -> None:
+def compact_kv_cache(cache: DynamicCache, start: int, num_nodes: int, accepted: list[int]) -> None:
     """Keep cache slots ``start + accepted`` at ``start .. start + m`` and drop the rest of the tree.
 
-    ``accepted`` [m] int64 holds increasing node indices starting with the root (0), so slot ``start``
-    stays where it is; the gather copies before it writes, so overlapping moves are safe.
+    ``accepted`` holds m increasing node indices starting with the root (0), so slot ``start`` stays
+    where it is; the gather copies before it writes, so overlapping moves are safe. A path that is
+    already ``0 .. m - 1`` (a first-child chain, the common case) only needs the crop.
     """
-    m = accepted.numel()
-    src = accepted + start  # [m]
-    for layer in cache.layers:
-        for kv in (layer.keys, layer.values):  # [B, kv_heads, start + N, D]
-            kv[:, :, start : start + m] = kv.index_select(2, src)
+    m = len(accepted)
+    if accepted[-1] != m - 1:
+        src = torch.tensor(accepted, device=cache.layers[0].keys.device) + start  # [m]
+        for layer in cache.layers:
+            for kv in (layer.keys, layer.values):  # [B, kv_heads, start + N, D]
+                kv[:, :, start : start + m] = kv.index_select(2, src)
     if num_nodes > m:
         cache.crop(-(num_nodes - m))
 

@@ -352,11 +352,13 @@ class Engine:
         return F.linear(hidden, self.draft_head, self.draft_head_bias).float()
 
     def _commit(self, state: _Decode, nodes: list[int], tokens: list[int]) -> None:
-        accepted = torch.tensor(nodes, device=self.device)  # [m]
         num_nodes = state.cache.get_seq_length() - state.start
-        compact_kv_cache(state.cache, state.start, num_nodes, accepted)
-        if state.features is not None:
-            state.features = state.features.index_select(1, accepted)  # [1, m, F * H]
+        compact_kv_cache(state.cache, state.start, num_nodes, nodes)
+        if state.features is not None:  # [1, N, F * H] -> [1, m, F * H]; a first-child chain needs no gather
+            if nodes[-1] == len(nodes) - 1:
+                state.features = state.features[:, : len(nodes)]
+            else:
+                state.features = state.features.index_select(1, torch.tensor(nodes, device=self.device))
         state.start += len(nodes)
         state.root = tokens[-1]
 

@@ -7,21 +7,27 @@ its logits are exactly those the target would give after the prefix that ends at
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ddtree.tree import DraftTree
 
 
 def ancestor_matrix(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-    """[N, N] bool, entry (i, j) true iff node j is node i itself or one of its ancestors."""
-    n = parents.numel()
-    rows = torch.arange(n, device=parents.device)
-    anc = torch.eye(n, dtype=torch.bool, device=parents.device)
+    """[N, N] bool on the CPU, entry (i, j) true iff node j is node i itself or one of its ancestors.
+
+    Built with numpy: the tree is small and lives on the host, where a numpy op costs a fraction of a
+    torch op's dispatch.
+    """
+    up = parents.cpu().numpy().clip(min=0)  # [N] the root is its own parent
+    n = up.shape[0]
+    rows = np.arange(n)
+    anc = np.eye(n, dtype=bool)
     node = rows
     for _ in range(int(depths.max())):  # climb one level per step, all nodes at once
-        node = parents.clamp(min=0)[node]
+        node = up[node]
         anc[rows, node] = True
-    return anc
+    return torch.from_numpy(anc)
 
 
 def tree_verify_inputs(

@@ -39,7 +39,11 @@ def bench_args(root, out, *extra: str) -> list[str]:
 def test_tiny_bench_writes_every_output_and_passes_the_t0_check(setup, tmp_path, capsys):
     out = tmp_path / "out"
     flags = "--methods ar,dflash,ddtree,hf,hf-pld --budgets 4,16 --temperatures 0,1 --num-prompts 2"
-    main(bench_args(setup, out, *flags.split(), "--max-new-tokens", "12", "--repeats", "2"))
+    main(
+        bench_args(
+            setup, out, *flags.split(), "--max-new-tokens", "12", "--repeats", "2", "--tree-vocab", "8192"
+        )
+    )
     for name in ("results.json", "results.md", "tau_speedup.png", "acceptance_histogram.png"):
         assert (out / name).stat().st_size > 0, name
     assert (out / "tau_speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -62,7 +66,13 @@ def test_tiny_bench_writes_every_output_and_passes_the_t0_check(setup, tmp_path,
     for key in {(r["prompt_index"], r["repeat"]) for r in results["records"]}:
         assert len({r["seed"] for r in results["records"] if (r["prompt_index"], r["repeat"]) == key}) == 1
 
+    tree = results["tree_build"]  # the builder alone at budgets 32 and 256, flat to peaked logits
+    assert [(r["scale"], r["budget"]) for r in tree] == [(s, b) for s in (1.0, 3.0, 6.0) for b in (32, 256)]
+    assert all(r["vocab"] == 8192 and r["positions"] == 15 and r["median_ms"] > 0 for r in tree)
+    assert tree[0]["top1_probability"] < 0.01 < tree[-1]["top1_probability"]
+
     text = (out / "results.md").read_text()
+    assert "## Tree build alone: 15 positions x 8192 tokens" in text
     assert "**T=0 check: passed**" in text and "## Temperature 1" in text and "## Definitions" in text
     assert capsys.readouterr().out == text + f"\nwrote results.json, results.md, tau_speedup.png, " \
         f"acceptance_histogram.png to {out}\n"  # fmt: skip
@@ -81,7 +91,7 @@ def test_a_t0_mismatch_fails_the_run_loudly(setup, tmp_path, capsys, monkeypatch
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exc:
         flags = "--methods ar,ddtree --budgets 8 --temperatures 0 --num-prompts 1 --max-new-tokens 6"
-        main(bench_args(setup, out, *flags.split(), "--repeats", "1", "--warmup", "0"))
+        main(bench_args(setup, out, *flags.split(), "--repeats", "1", "--warmup", "0", "--tree-vocab", "0"))
     assert exc.value.code == 3
     assert "T=0 OUTPUT MISMATCH: 1 of 1" in capsys.readouterr().err
     results = json.loads((out / "results.json").read_text())
@@ -97,6 +107,7 @@ def test_a_t0_mismatch_fails_the_run_loudly(setup, tmp_path, capsys, monkeypatch
         (["--budgets", "0"], "--budgets must be distinct integers >= 1"),
         (["--temperatures", "-1"], "--temperatures must be numbers >= 0"),
         (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--tree-vocab", "-1"], "--tree-vocab must be >= 0"),
         (["--max-new-tokens", "500"], "exceeds the target's context"),
         (["--prompts", "/nonexistent.jsonl"], "does not exist"),
     ],

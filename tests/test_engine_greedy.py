@@ -112,8 +112,12 @@ def test_stream_deltas_add_up_to_the_result(pair):
     assert deltas[-1].finish_reason == "length"
 
 
-def test_kv_compaction_leaves_the_cache_of_a_fresh_forward(pair):
-    """After committing a round, the next logits equal a from-scratch forward over the committed tokens."""
+@pytest.mark.parametrize("kept_path", ["deepest", "first_child_chain"])
+def test_kv_compaction_leaves_the_cache_of_a_fresh_forward(pair, kept_path):
+    """After committing a round, the next logits equal a from-scratch forward over the committed tokens.
+
+    The deepest path's slots are scattered through the tree block (a real gather); the chain of first
+    children, nodes 0, 1, 2, ..., is already in place (only the crop)."""
     target, drafter = pair
     generator = torch.Generator().manual_seed(0)
     prompt = torch.tensor([PROMPTS[2]])
@@ -126,18 +130,25 @@ def test_kv_compaction_leaves_the_cache_of_a_fresh_forward(pair):
         tree = build_ddtree_tree(draft_logits, 64, root_token=root)
         ids, positions, mask = tree_verify_inputs(tree, start, torch.device("cpu"), torch.float32)
         target(ids, position_ids=positions, attention_mask=mask, cache=cache)
-        deepest = int(tree.depths.argmax())
-        path = [deepest]
-        while path[-1] != 0:
-            path.append(int(tree.parents[path[-1]]))
-        kept = path[::-1]
-        compact_kv_cache(cache, start, tree.num_nodes, torch.tensor(kept))
+        if kept_path == "deepest":
+            path = [int(tree.depths.argmax())]
+            while path[-1] != 0:
+                path.append(int(tree.parents[path[-1]]))
+            kept = path[::-1]
+        else:
+            kept = [0]
+            while len(kept) < tree.num_nodes and int(tree.parents[len(kept)]) == kept[-1]:
+                kept.append(len(kept))
+        compact_kv_cache(cache, start, tree.num_nodes, kept)
         assert cache.get_seq_length() == start + len(kept)
         committed = prompt[0].tolist() + tree.tokens[kept].tolist()
         nxt = 3
         step = target(torch.tensor([[nxt]]), cache=cache).logits[0, -1]
         fresh = target(torch.tensor([committed + [nxt]])).logits[0, -1]
-    assert len(kept) >= 3 and kept[-1] > len(kept)  # a real gather, not a prefix of the tree block
+    if kept_path == "deepest":
+        assert len(kept) >= 3 and kept[-1] > len(kept)  # a real gather, not a prefix of the tree block
+    else:
+        assert len(kept) >= 2
     torch.testing.assert_close(step, fresh, atol=1e-5, rtol=0)
 
 

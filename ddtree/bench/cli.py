@@ -54,6 +54,8 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--tree-vocab", type=int, default=32768,
+                   help="vocabulary of the tree-build timing (default 32768; 0 = skip it)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -102,6 +104,7 @@ def run_bench_command(args: argparse.Namespace) -> None:
     from ddtree.bench.prompts import load_prompts
     from ddtree.bench.report import markdown, write_json
     from ddtree.bench.runner import BenchConfig, encode_prompts, run_bench
+    from ddtree.bench.tree_speed import measure_tree_build
 
     cfg = BenchConfig(
         methods=tuple(args.methods),
@@ -118,6 +121,8 @@ def run_bench_command(args: argparse.Namespace) -> None:
         if args.threads < 1:
             raise DDTreeError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if args.tree_vocab < 0:
+        raise DDTreeError(f"--tree-vocab must be >= 0, got {args.tree_vocab}")
     prompts = load_prompts(args.prompts, args.num_prompts)
     engine, target_dir, drafter_dir = load_engine(args, cfg.needs_drafter)
     prompt_ids = encode_prompts(engine, prompts, cfg.max_new_tokens)
@@ -131,6 +136,7 @@ def run_bench_command(args: argparse.Namespace) -> None:
     finally:
         hf_logging.set_verbosity(verbosity)
     check = check_greedy_equality(records)
+    tree_build = measure_tree_build(vocab=args.tree_vocab) if args.tree_vocab else []
     results = {
         "config": {
             "target": str(target_dir),
@@ -159,6 +165,7 @@ def run_bench_command(args: argparse.Namespace) -> None:
         "t0_check": check,
         "t0_mismatch": not check["passed"],
         "summary": summarize(records),
+        "tree_build": tree_build,
         "records": records,
     }
     write_json(args.out / "results.json", results)

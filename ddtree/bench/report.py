@@ -48,6 +48,7 @@ def markdown(results: dict) -> str:
         out += _stage_table([r for r in mine if r["stages"] is not None])
         chain = next((r for r in mine if r["method"] == "dflash"), None)
         out += _histogram_table([r for r in (chain, best_ddtree(rows, temperature)) if r is not None])
+    out += _tree_build_table(results.get("tree_build") or [])
     out += ["", "## Definitions", ""]
     out += [f"- **{name}**: {text}" for name, text in DEFINITIONS.items()]
     return "\n".join(out) + "\n"
@@ -123,4 +124,26 @@ def _histogram_table(rows: list[dict]) -> list[str]:
     for r in rows:
         shares = {int(k): v for k, v in r["acceptance_fractions"].items()}
         out.append(f"| {r['label']} | " + " | ".join(f"{shares.get(k, 0.0):.1%}" for k in lengths) + " |")
+    return out
+
+
+def _tree_build_table(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    first = rows[0]
+    budgets = list(dict.fromkeys(r["budget"] for r in rows))
+    out = [
+        "",
+        f"## Tree build alone: {first['positions']} positions x {first['vocab']} tokens, synthetic logits",
+        "",
+        "Median ms of `build_ddtree_tree` (log-softmax, top-k candidates, heap, output tensors).",
+        "",
+        "| logits scale | mean top-1 prob | " + " | ".join(f"budget {b}" for b in budgets) + " |",
+        "|--:|--:|" + "--:|" * len(budgets),
+    ]
+    for scale in dict.fromkeys(r["scale"] for r in rows):
+        mine = {r["budget"]: r for r in rows if r["scale"] == scale}
+        top1 = next(iter(mine.values()))["top1_probability"]
+        cells = " | ".join(f"{mine[b]['median_ms']:.3f}" for b in budgets)
+        out.append(f"| {scale:g} | {top1:.3f} | {cells} |")
     return out

@@ -13,9 +13,59 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from ddtree.errors import DDTreeError
 from ddtree.params import SamplingParams
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys/values are views into a buffer that doubles when full.
+
+    HF's layer concatenates on every update, which copies the whole cache once per forward. Here an
+    update copies only the new tokens; ``crop`` (inherited) shrinks the view, and the in-place compaction
+    of ``compact_kv_cache`` writes straight into the buffer.
+    """
+
+    MIN_CAPACITY = 256
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        old = self.get_seq_length()
+        new = old + key_states.shape[-2]
+        if self._buffers is None or new > self._buffers[0].shape[-2]:
+            self._grow(key_states, value_states, old, new)
+        key_buf, value_buf = self._buffers  # [B, kv_heads, capacity, D] each
+        key_buf[:, :, old:new] = key_states
+        value_buf[:, :, old:new] = value_states
+        self.keys, self.values = key_buf[:, :, :new], value_buf[:, :, :new]
+        return self.keys, self.values
+
+    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, old: int, new: int) -> None:
+        have = 0 if self._buffers is None else self._buffers[0].shape[-2]
+        capacity = max(new, 2 * have, self.MIN_CAPACITY)
+        buffers = []
+        for states, kept in ((key_states, self.keys), (value_states, self.values)):
+            b, h, _, d = states.shape
+            buf = states.new_empty(b, h, capacity, d)
+            if old:
+                buf[:, :, :old] = kept[:, :, :old]
+            buffers.append(buf)
+        self._buffers = tuple(buffers)
+
+
+def new_kv_cache(config) -> DynamicCache:
+    """The target's KV cache: HF's ``DynamicCache`` with full-attention layers preallocated."""
+    cache = DynamicCache(config=config)
+    cache.layers = [PreallocatedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
 
 
 def compact_kv_cache(cache: DynamicCache, start: int, num_nodes: int, accepted: list[int]) -> None:

@@ -72,31 +72,57 @@ def dflash_config(
 
 
 class DraftCache:
-    """Per-layer keys/values of the context features: [batch, kv_heads, context, head_dim] each."""
+    """Per-layer keys/values of the context features in buffers that double when full.
+
+    Each pass writes the new context and the block after the cached context and attends over that
+    prefix of the buffer; only the context part counts as cached, so the next pass overwrites the block.
+    Nothing is concatenated: a pass copies only its own new rows.
+    """
+
+    MIN_CAPACITY = 256
 
     def __init__(self, num_layers: int) -> None:
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+        self._lengths = [0] * num_layers
 
     @property
     def length(self) -> int:
-        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+        return self._lengths[0]
+
+    def cached(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Keys and values of the cached context of ``layer``: [B, kv_heads, context, D] each, or None."""
+        buffers, n = self._buffers[layer], self._lengths[layer]
+        return None if buffers is None else (buffers[0][:, :, :n], buffers[1][:, :, :n])
 
     def extend(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, num_ctx: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prepend the cached context to ``k``/``v`` ([new context ; block]) and cache the context part.
+        """Write ``k``/``v`` ([new context ; block]) after the cached context and cache the context part.
 
-        Returns keys/values of [whole context ; block]. The block part is never cached: it lives for
-        one pass, which is the same as appending it and cropping it back.
+        Returns keys/values of [whole context ; block], views into the buffers.
         """
-        cached = self.keys[layer]
-        if cached is not None:
-            k = torch.cat((cached, k), dim=2)
-            v = torch.cat((self.values[layer], v), dim=2)
-        end = num_ctx + (0 if cached is None else cached.shape[2])
-        self.keys[layer], self.values[layer] = k[:, :, :end], v[:, :, :end]
-        return k, v
+        old = self._lengths[layer]
+        total = old + k.shape[2]
+        buffers = self._buffers[layer]
+        if buffers is None or total > buffers[0].shape[2]:
+            buffers = self._buffers[layer] = self._grown(buffers, k, v, old, total)
+        key_buf, value_buf = buffers  # [B, kv_heads, capacity, D] each
+        key_buf[:, :, old:total] = k
+        value_buf[:, :, old:total] = v
+        self._lengths[layer] = old + num_ctx
+        return key_buf[:, :, :total], value_buf[:, :, :total]
+
+    def _grown(self, buffers, k: torch.Tensor, v: torch.Tensor, old: int, total: int):
+        have = 0 if buffers is None else buffers[0].shape[2]
+        capacity = max(total, 2 * have, self.MIN_CAPACITY)
+        grown = []
+        for i, states in enumerate((k, v)):
+            b, h, _, d = states.shape
+            buf = states.new_empty(b, h, capacity, d)
+            if old:
+                buf[:, :, :old] = buffers[i][:, :, :old]
+            grown.append(buf)
+        return tuple(grown)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from ddtree.commit import OutputState, TokenLogprobs, compact_kv_cache, token_logprobs
+from ddtree.commit import OutputState, TokenLogprobs, compact_kv_cache, new_kv_cache, token_logprobs
 from ddtree.drafter import DFlashDrafter
 from ddtree.errors import DDTreeError
 from ddtree.models import check_pair, eos_token_ids, load_drafter, load_target
@@ -256,7 +256,7 @@ class Engine:
 
         t0 = self._now()
         ids = torch.tensor([prompt_ids], device=self.device)  # [1, P]
-        cache = DynamicCache(config=self.target.config)
+        cache = new_kv_cache(self.target.config)
         logits, features = self._target_forward(ids, None, None, cache, use_drafter, logits_to_keep=1)
         root = self._pick(logits[0, -1], params, generator)
         want_logprobs = params.logprobs is not None

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from ddtree.commit import compact_kv_cache
+from ddtree.commit import PreallocatedLayer, compact_kv_cache
+from ddtree.drafter import DraftCache
 from ddtree.engine import Engine
 from ddtree.params import SamplingParams
 from ddtree.tree import build_ddtree_tree
@@ -64,6 +65,19 @@ def test_draft_head_precision_changes_proposals_not_output(pair, head_dtype):
         result = engine.generate(prompt, SamplingParams(max_new_tokens=NEW))
         assert result.token_ids == hf_greedy(target, prompt, NEW)
         assert max(result.stats.acceptance_lengths) > 1
+
+
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+def test_kv_buffers_growing_mid_request_change_nothing(pair, monkeypatch, method):
+    """Target and drafter caches start at one slot, so they grow (copying the cached rows) many times."""
+    target, drafter = pair
+    monkeypatch.setattr(PreallocatedLayer, "MIN_CAPACITY", 1)
+    monkeypatch.setattr(DraftCache, "MIN_CAPACITY", 1)
+    engine = Engine(target, drafter, method=method, budget=16)
+    for prompt in PROMPTS:
+        assert engine.generate(prompt, SamplingParams(max_new_tokens=NEW)).token_ids == hf_greedy(
+            target, prompt, NEW
+        )
 
 
 def test_stop_token_inside_accepted_block_ends_generation_there(pair):

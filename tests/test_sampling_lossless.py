@@ -128,20 +128,20 @@ def memoise(target: Qwen3ForCausalLM, drafter: DFlashDrafter) -> None:
         return out
 
     def forward_drafter(block_embeds, features, block_positions, ctx_positions, cache: DraftCache, mask=None):
+        layers = range(len(drafter.layers))
         key = (
             _key(block_embeds),
             _key(features),
             _key(block_positions),
             _key(ctx_positions),
             _key(mask),
-            tuple((_key(k), _key(v)) for k, v in zip(cache.keys, cache.values, strict=True)),
+            tuple((_key(kv[0]), _key(kv[1])) if kv else None for kv in map(cache.cached, layers)),
         )
         if key not in seen_drafter:
             before = cache.length
             out = drafter_forward(block_embeds, features, block_positions, ctx_positions, cache, mask)
             appended = [
-                (k[:, :, before:].clone(), v[:, :, before:].clone())
-                for k, v in zip(cache.keys, cache.values, strict=True)
+                (k[:, :, before:].clone(), v[:, :, before:].clone()) for k, v in map(cache.cached, layers)
             ]
             seen_drafter[key] = (out, appended)
             return out

@@ -32,14 +32,17 @@ def ancestor_matrix(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor
 
 def tree_verify_inputs(
     tree: DraftTree, start: int, device: torch.device, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Token ids [1, N], position ids [1, N] and the additive mask [1, 1, N, start + N].
 
-    ``start`` is the root's position, which is also the number of tokens in the target's KV cache.
+    ``start`` is the root's position, which is also the number of tokens in the target's KV cache. A
+    root-only tree (plain decoding) sees everything, which is the model's own causal mask: None.
     """
     n = tree.num_nodes
     input_ids = tree.tokens.to(device).unsqueeze(0)  # [1, N]
     position_ids = (tree.depths + start).to(device).unsqueeze(0)  # [1, N]
+    if n == 1:
+        return input_ids, position_ids, None
     anc = ancestor_matrix(tree.parents, tree.depths)  # [N, N] built on the host, where the tree lives
     mask = torch.zeros(n, start + n, dtype=dtype, device=device)  # context columns: all visible
     mask[:, start:].masked_fill_(~anc.to(device), torch.finfo(dtype).min)

@@ -111,6 +111,19 @@ def test_root_only_tree_samples_the_bonus_from_the_root_row():
     assert sample_tree(tree, retrieve, probs, torch.zeros(1), 0.5) == ([0], [2])
 
 
+def test_root_only_tree_sampling_is_plain_sampling():
+    """The engine samples a root-only tree (ar) with sample_from_probs: the tree sampler would agree."""
+    gen = torch.Generator().manual_seed(3)
+    tree, retrieve = make_tree([-1], [9])
+    for _ in range(200):
+        probs = torch.softmax(torch.randn(1, 50, generator=gen) * 3, dim=-1)
+        probs[0, torch.randint(50, (10,), generator=gen)] = 0.0
+        coin = torch.rand((), generator=gen)
+        assert sample_tree(tree, retrieve, probs, torch.rand(1, generator=gen), coin)[1] == [
+            sample_from_probs(probs[0], coin)
+        ]
+
+
 def test_children_share_the_coin_of_their_parent_node():
     """The kernel draws once per node (uniform_samples[row, node]), not once per level or per sibling."""
     tree, retrieve = make_tree(PARENTS, TOKENS)

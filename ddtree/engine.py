@@ -309,7 +309,9 @@ class Engine:
             tree = DraftTree.root_only(state.root)
         else:
             with self._stage(stats, "draft"):
-                draft_logits = self._draft(state)  # [block_size - 1, V]
+                # A tree of `budget` nodes is at most `budget` deep: deeper rows would never be read.
+                depth = self.drafter.block_size - 1 if method == "dflash" else budget
+                draft_logits = self._draft(state, depth)  # [min(depth, block_size - 1), V]
             with self._stage(stats, "tree"):
                 if method == "dflash":
                     tree = build_ddtree_tree(
@@ -335,8 +337,8 @@ class Engine:
                 return [0], [sample_from_probs(probs[0], final_coin)], logits
             return *sample_tree(tree, retrieve, probs, coins, final_coin), logits
 
-    def _draft(self, state: _Decode) -> torch.Tensor:
-        """One drafter pass over [root, MASK x (block_size - 1)]; returns draft logits [block_size - 1, V]."""
+    def _draft(self, state: _Decode, depth: int) -> torch.Tensor:
+        """One drafter pass over [root, MASK x (block_size - 1)]; logits of its first ``depth`` drafts."""
         cache = state.draft_cache
         bs = self.drafter.block_size
         block = torch.full((1, bs), self.drafter.mask_token_id, device=self.device)
@@ -351,7 +353,7 @@ class Engine:
             cache=cache,
         )  # [1, bs, H]
         state.features = None
-        hidden = hidden[0, 1:].to(self.draft_head.dtype)  # [block_size - 1, H]
+        hidden = hidden[0, 1 : 1 + depth].to(self.draft_head.dtype)  # [min(depth, bs - 1), H]
         return F.linear(hidden, self.draft_head, self.draft_head_bias).float()
 
     def _commit(self, state: _Decode, nodes: list[int], tokens: list[int]) -> None:

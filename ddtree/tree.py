@@ -128,8 +128,10 @@ class _RankedCandidates:
         self.logp = logp  # [L, V] log-softmax of the draft logits
         self.k = k
         values, indices = top_k_rows(logp, min(k, self.FIRST_RANKS))  # sorted descending, [L, K0]
-        self.vals: list[list[float]] = values.double().cpu().tolist()
-        self.ids: list[list[int]] = indices.cpu().tolist()
+        # One device->host transfer for both: the float32 values travel as their int32 bit patterns.
+        host = torch.stack((values.view(torch.int32), indices.int())).cpu()  # [2, L, K0]
+        self.vals: list[list[float]] = host[0].view(torch.float32).double().tolist()
+        self.ids: list[list[int]] = host[1].tolist()
 
     def grow(self, depth: int, rank: int) -> None:
         """Make rank ``rank`` (< k) of row ``depth`` available in ``vals`` / ``ids``."""

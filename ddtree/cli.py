@@ -62,7 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_from_args(args: argparse.Namespace):
-    """Build the engine the flags describe; the built-in pair when no model directory is given."""
+    """Build the engine the flags describe; the built-in pair when no model directory is given.
+
+    The drafter is loaded whenever there is one, also for ``--method ar``: a server's requests may still
+    ask for speculation per request.
+    """
     from ddtree.engine import Engine
     from ddtree.models import DEFAULT_DRAFTER, DEFAULT_TARGET
 
@@ -74,8 +78,6 @@ def engine_from_args(args: argparse.Namespace):
         raise DDTreeError(
             f"method {args.method!r} needs --drafter when --target is given (or use --method ar)"
         )
-    if args.method == "ar":
-        drafter = None
     if args.target is None and not DEFAULT_TARGET.is_dir():
         raise DDTreeError("the built-in models are not installed; pass --target (and --drafter)")
     return Engine.from_pretrained(

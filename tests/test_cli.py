@@ -114,6 +114,21 @@ def test_target_without_drafter_needs_method_ar(model_dirs):
     assert run.stdout.startswith("def")
 
 
+def test_method_ar_still_loads_the_drafter_for_per_request_speculation(model_dirs):
+    from ddtree.cli import build_parser, engine_from_args
+
+    target_dir, drafter_dir = model_dirs
+    flags = ["serve", "--target", str(target_dir), "--drafter", str(drafter_dir), "--method", "ar"]
+    args = build_parser().parse_args(flags)
+    engine = engine_from_args(args)
+    assert engine.method == "ar" and engine.drafter is not None
+    prompt = [5, 6, 7, 8]
+    plain = engine.generate(prompt, SamplingParams(max_new_tokens=12))
+    tree = engine.generate(prompt, SamplingParams(max_new_tokens=12), method="ddtree", budget=8)
+    assert plain.stats.method == "ar" and tree.stats.method == "ddtree"
+    assert tree.token_ids == plain.token_ids
+
+
 def test_engine_rejects_bad_values_with_ddtree_error():
     from ddtree.errors import DDTreeError
 

@@ -15,50 +15,30 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from ddtree.buffers import KVBuffers
 from ddtree.errors import DDTreeError
 from ddtree.params import SamplingParams
 
 
 class PreallocatedLayer(DynamicLayer):
-    """A ``DynamicLayer`` whose keys/values are views into a buffer that doubles when full.
+    """A ``DynamicLayer`` whose keys/values are views into ``KVBuffers``.
 
     HF's layer concatenates on every update, which copies the whole cache once per forward. Here an
     update copies only the new tokens; ``crop`` (inherited) shrinks the view, and the in-place compaction
-    of ``compact_kv_cache`` writes straight into the buffer.
+    of ``compact_kv_cache`` writes straight into the buffers.
     """
-
-    MIN_CAPACITY = 256
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._buffers = KVBuffers()
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        old = self.get_seq_length()
-        new = old + key_states.shape[-2]
-        if self._buffers is None or new > self._buffers[0].shape[-2]:
-            self._grow(key_states, value_states, old, new)
-        key_buf, value_buf = self._buffers  # [B, kv_heads, capacity, D] each
-        key_buf[:, :, old:new] = key_states
-        value_buf[:, :, old:new] = value_states
-        self.keys, self.values = key_buf[:, :, :new], value_buf[:, :, :new]
+        self.keys, self.values = self._buffers.write(self.get_seq_length(), key_states, value_states)
         return self.keys, self.values
-
-    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, old: int, new: int) -> None:
-        have = 0 if self._buffers is None else self._buffers[0].shape[-2]
-        capacity = max(new, 2 * have, self.MIN_CAPACITY)
-        buffers = []
-        for states, kept in ((key_states, self.keys), (value_states, self.values)):
-            b, h, _, d = states.shape
-            buf = states.new_empty(b, h, capacity, d)
-            if old:
-                buf[:, :, :old] = kept[:, :, :old]
-            buffers.append(buf)
-        self._buffers = tuple(buffers)
 
 
 def new_kv_cache(config) -> DynamicCache:

@@ -23,6 +23,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from ddtree.buffers import KVBuffers
 from ddtree.errors import DDTreeError
 
 
@@ -72,17 +73,14 @@ def dflash_config(
 
 
 class DraftCache:
-    """Per-layer keys/values of the context features in buffers that double when full.
+    """Per-layer keys/values of the context features, in ``KVBuffers`` written in place.
 
     Each pass writes the new context and the block after the cached context and attends over that
-    prefix of the buffer; only the context part counts as cached, so the next pass overwrites the block.
-    Nothing is concatenated: a pass copies only its own new rows.
+    prefix of the buffers; only the context part counts as cached, so the next pass overwrites the block.
     """
 
-    MIN_CAPACITY = 256
-
     def __init__(self, num_layers: int) -> None:
-        self._buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+        self._buffers = [KVBuffers() for _ in range(num_layers)]
         self._lengths = [0] * num_layers
 
     @property
@@ -92,7 +90,7 @@ class DraftCache:
     def cached(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Keys and values of the cached context of ``layer``: [B, kv_heads, context, D] each, or None."""
         buffers, n = self._buffers[layer], self._lengths[layer]
-        return None if buffers is None else (buffers[0][:, :, :n], buffers[1][:, :, :n])
+        return None if buffers.keys is None else (buffers.keys[:, :, :n], buffers.values[:, :, :n])
 
     def extend(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, num_ctx: int
@@ -102,27 +100,8 @@ class DraftCache:
         Returns keys/values of [whole context ; block], views into the buffers.
         """
         old = self._lengths[layer]
-        total = old + k.shape[2]
-        buffers = self._buffers[layer]
-        if buffers is None or total > buffers[0].shape[2]:
-            buffers = self._buffers[layer] = self._grown(buffers, k, v, old, total)
-        key_buf, value_buf = buffers  # [B, kv_heads, capacity, D] each
-        key_buf[:, :, old:total] = k
-        value_buf[:, :, old:total] = v
         self._lengths[layer] = old + num_ctx
-        return key_buf[:, :, :total], value_buf[:, :, :total]
-
-    def _grown(self, buffers, k: torch.Tensor, v: torch.Tensor, old: int, total: int):
-        have = 0 if buffers is None else buffers[0].shape[2]
-        capacity = max(total, 2 * have, self.MIN_CAPACITY)
-        grown = []
-        for i, states in enumerate((k, v)):
-            b, h, _, d = states.shape
-            buf = states.new_empty(b, h, capacity, d)
-            if old:
-                buf[:, :, :old] = buffers[i][:, :, :old]
-            grown.append(buf)
-        return tuple(grown)
+        return self._buffers[layer].write(old, k, v)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from ddtree.commit import PreallocatedLayer, compact_kv_cache
-from ddtree.drafter import DraftCache
+from ddtree.buffers import KVBuffers
+from ddtree.commit import compact_kv_cache
 from ddtree.engine import Engine
 from ddtree.params import SamplingParams
 from ddtree.tree import build_ddtree_tree
@@ -71,8 +71,7 @@ def test_draft_head_precision_changes_proposals_not_output(pair, head_dtype):
 def test_kv_buffers_growing_mid_request_change_nothing(pair, monkeypatch, method):
     """Target and drafter caches start at one slot, so they grow (copying the cached rows) many times."""
     target, drafter = pair
-    monkeypatch.setattr(PreallocatedLayer, "MIN_CAPACITY", 1)
-    monkeypatch.setattr(DraftCache, "MIN_CAPACITY", 1)
+    monkeypatch.setattr(KVBuffers, "MIN_CAPACITY", 1)
     engine = Engine(target, drafter, method=method, budget=16)
     for prompt in PROMPTS:
         assert engine.generate(prompt, SamplingParams(max_new_tokens=NEW)).token_ids == hf_greedy(

@@ -321,8 +321,7 @@ class Engine:
                     tree = build_ddtree_tree(draft_logits, budget, topk=topk, root_token=state.root)
         with self._stage(stats, "compile"):
             ids, positions, mask = tree_verify_inputs(tree, state.start, self.device, self.dtype)
-            plain = params.greedy or tree.num_nodes == 1  # no tree to sample: no sibling order needed
-            retrieve = None if plain else compile_ddtree_retrieve(tree.parents, tree.logw)
+            retrieve = None if params.greedy else compile_ddtree_retrieve(tree.parents, tree.logw)
         with self._stage(stats, "verify"):
             logits, features = self._target_forward(ids, positions, mask, state.cache, method != "ar")
             state.features = features
@@ -333,8 +332,6 @@ class Engine:
             probs = target_probs_from_logits(logits, params)  # [N, V]
             coins = torch.rand(tree.num_nodes, generator=state.generator, device=self.device)
             final_coin = torch.rand((), generator=state.generator, device=self.device)
-            if tree.num_nodes == 1:  # nothing drafted: the bonus draw from the root's row is all there is
-                return [0], [sample_from_probs(probs[0], final_coin)], logits
             return *sample_tree(tree, retrieve, probs, coins, final_coin), logits
 
     def _draft(self, state: _Decode, depth: int) -> torch.Tensor:

@@ -211,6 +211,8 @@ def sample_tree(
     ``nodes[i + 1]`` holds ``tokens[i]`` -- the same shape as the greedy walk.
     """
     n = tree.tokens.numel()
+    if n == 1:  # nothing drafted (plain decoding): the kernel would only draw the bonus from the root's row
+        return [0], [sample_from_probs(target_probs[0], final_coin)]
     device = target_probs.device
     steps = int(tree.depths.max()) + 1
     predicts = torch.zeros(n, dtype=torch.int32, device=device)

@@ -112,16 +112,29 @@ def test_root_only_tree_samples_the_bonus_from_the_root_row():
 
 
 def test_root_only_tree_sampling_is_plain_sampling():
-    """The engine samples a root-only tree (ar) with sample_from_probs: the tree sampler would agree."""
+    """sample_tree draws a root-only tree (ar) with sample_from_probs: the kernel would agree."""
     gen = torch.Generator().manual_seed(3)
     tree, retrieve = make_tree([-1], [9])
     for _ in range(200):
         probs = torch.softmax(torch.randn(1, 50, generator=gen) * 3, dim=-1)
         probs[0, torch.randint(50, (10,), generator=gen)] = 0.0
         coin = torch.rand((), generator=gen)
-        assert sample_tree(tree, retrieve, probs, torch.rand(1, generator=gen), coin)[1] == [
-            sample_from_probs(probs[0], coin)
-        ]
+        predicts = torch.zeros(1, dtype=torch.int32)
+        tree_speculative_sampling_target_only(
+            predicts,
+            torch.full((1, 1), -1, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32),
+            candidates=tree.tokens[None],
+            retrive_index=torch.zeros(1, 1, dtype=torch.int64),
+            retrive_next_token=retrieve.next_token[None],
+            retrive_next_sibling=retrieve.next_sibling[None],
+            uniform_samples=torch.rand(1, 1, generator=gen),
+            uniform_samples_for_final_sampling=coin.reshape(1),
+            target_probs=probs[None],
+            draft_probs=torch.zeros(1, 1, 50),
+        )
+        assert sample_tree(tree, retrieve, probs, torch.rand(1, generator=gen), coin)[1] == [int(predicts[0])]
+        assert int(predicts[0]) == sample_from_probs(probs[0], coin)
 
 
 def test_children_share_the_coin_of_their_parent_node():

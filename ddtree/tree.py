@@ -130,7 +130,7 @@ class _RankedCandidates:
         values, indices = top_k_rows(logp, min(k, self.FIRST_RANKS))  # sorted descending, [L, K0]
         # One device->host transfer for both: the float32 values travel as their int32 bit patterns.
         host = torch.stack((values.view(torch.int32), indices.int())).cpu()  # [2, L, K0]
-        self.vals: list[list[float]] = host[0].view(torch.float32).double().tolist()
+        self.vals: list[list[float]] = host[0].view(torch.float32).tolist()
         self.ids: list[list[int]] = host[1].tolist()
 
     def grow(self, depth: int, rank: int) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -65,6 +67,30 @@ def tiny_drafter(target, block_size: int = 8, num_layers: int = 2, seed: int = 1
     torch.manual_seed(seed)
     config = dflash_config(target.config, num_layers=num_layers, block_size=block_size, mask_token_id=MASK)
     return DFlashDrafter(config).eval()
+
+
+CONTEXT = 64  # max_position_embeddings of the saved tiny target: room for short prompts only
+
+
+def tiny_models(chat_template: str | None = None):
+    """Tokenizer, target (context ``CONTEXT``) and drafter that fit together, as the CLI and server load."""
+    tokenizer = tiny_tokenizer()
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    target = tiny_target(vocab=len(tokenizer))
+    target.config.max_position_embeddings = CONTEXT
+    drafter = tiny_drafter(target)
+    drafter.mask_token_id = tokenizer.convert_tokens_to_ids("<|mask|>")
+    return tokenizer, target, drafter
+
+
+def save_models(root: Path, chat_template: str | None = None) -> tuple[Path, Path]:
+    """A saved target + tokenizer directory and a saved drafter directory."""
+    tokenizer, target, drafter = tiny_models(chat_template)
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    drafter.save_pretrained(root / "drafter")
+    return root / "target", root / "drafter"
 
 
 @pytest.fixture(scope="session", params=["qwen3", "llama"])

@@ -12,22 +12,13 @@ import torch
 
 from ddtree.engine import Engine
 from ddtree.params import SamplingParams
-from tests.conftest import tiny_drafter, tiny_target, tiny_tokenizer
+from tests.conftest import save_models, tiny_drafter, tiny_target
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     """A saved target + tokenizer directory and a saved drafter directory."""
-    root = tmp_path_factory.mktemp("models")
-    tokenizer = tiny_tokenizer()
-    target = tiny_target(vocab=len(tokenizer))
-    target.config.max_position_embeddings = 64
-    target.save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
-    drafter = tiny_drafter(target)
-    drafter.mask_token_id = tokenizer.convert_tokens_to_ids("<|mask|>")
-    drafter.save_pretrained(root / "drafter")
-    return root / "target", root / "drafter"
+    return save_models(tmp_path_factory.mktemp("models"))
 
 
 def ddtree(*args: str) -> subprocess.CompletedProcess:

@@ -13,7 +13,8 @@ from ddtree.params import SamplingParams
 from ddtree.server import ServerConfig, create_app
 from ddtree.server.chat import plain_prompt
 from ddtree.server.tokens import TokenNames
-from tests.test_server_support import save_models, sse_events
+from tests.conftest import save_models
+from tests.test_server_support import sse_events
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

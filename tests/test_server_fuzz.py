@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from ddtree.engine import Engine
 from ddtree.server import ServerConfig, create_app
-from tests.test_server_support import save_models
+from tests.conftest import save_models
 
 
 def fuzz(examples: int) -> settings:

@@ -17,8 +17,8 @@ import pytest
 
 from ddtree.engine import Engine
 from ddtree.server import ServerConfig, create_app
-from tests.conftest import tiny_drafter, tiny_target, tiny_tokenizer
-from tests.test_server_support import CONTEXT, ThreadServer, metric, scrape
+from tests.conftest import tiny_models
+from tests.test_server_support import ThreadServer, metric, scrape
 
 
 class GatedEngine:
@@ -54,11 +54,7 @@ class GatedEngine:
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    tokenizer = tiny_tokenizer()
-    target = tiny_target(vocab=len(tokenizer))
-    target.config.max_position_embeddings = CONTEXT
-    drafter = tiny_drafter(target)
-    drafter.mask_token_id = tokenizer.convert_tokens_to_ids("<|mask|>")
+    tokenizer, target, drafter = tiny_models()
     return Engine(target, drafter, tokenizer, budget=16)
 
 

@@ -18,25 +18,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import tiny_drafter, tiny_target, tiny_tokenizer
-
-CONTEXT = 64
 LISTENING = re.compile(r"listening on http://([\d.]+):(\d+)")
-
-
-def save_models(root: Path, chat_template: str | None = None) -> tuple[Path, Path]:
-    """A saved target + tokenizer directory and a saved drafter directory (as tests/test_cli.py)."""
-    tokenizer = tiny_tokenizer()
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    target = tiny_target(vocab=len(tokenizer))
-    target.config.max_position_embeddings = CONTEXT
-    target.save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
-    drafter = tiny_drafter(target)
-    drafter.mask_token_id = tokenizer.convert_tokens_to_ids("<|mask|>")
-    drafter.save_pretrained(root / "drafter")
-    return root / "target", root / "drafter"
 
 
 def server_env(**extra: str) -> dict[str, str]:

@@ -10,7 +10,6 @@ import argparse
 import json
 from pathlib import Path
 
-from ddtree.errors import DDTreeError
 from ddtree.training.drafter import register_drafter
 from ddtree.training.flags import add_dataclass_flags, dataclass_from_args
 from ddtree.training.target import TargetConfig, train_target
@@ -59,16 +58,7 @@ def _run_target(args: argparse.Namespace) -> None:
     print(json.dumps({k: v for k, v in metrics.items() if k != "config"}, indent=2))
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Standalone entry (``python -m ddtree.training.cli train ...``) until the main CLI mounts it."""
-    parser = argparse.ArgumentParser(prog="ddtree")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        args.func(args)
-    except DDTreeError as e:
-        parser.exit(2, f"ddtree: error: {e}\n")
+if __name__ == "__main__":  # ``python -m ddtree.training.cli train ...`` is ``ddtree train ...``
+    from ddtree.cli import main
 
-
-if __name__ == "__main__":
     main()

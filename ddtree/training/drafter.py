@@ -42,7 +42,7 @@ from ddtree.training.distill import (
     read_prompts,
     weights_fingerprint,
 )
-from ddtree.training.flags import add_dataclass_flags, dataclass_from_args
+from ddtree.training.flags import add_dataclass_flags, check_config, dataclass_from_args
 from ddtree.training.loop import autocast, lr_at, make_optimizer, progress, step_bar
 
 DATA = "data.pt"
@@ -104,9 +104,7 @@ class DrafterConfig:
             "eval_new_tokens",
             "eval_budget",
         )
-        for name in positive:
-            if not getattr(self, name) > 0:
-                raise DDTreeError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        check_config(self, positive)
         if self.block_size < 2:
             raise DDTreeError(f"block_size must be >= 2, got {self.block_size}")
         if self.prompt_min > self.prompt_max:
@@ -115,8 +113,6 @@ class DrafterConfig:
             raise DDTreeError("sample_fraction and min_lr_ratio must be in [0, 1]")
         if min(self.warmup_steps, self.max_minutes, self.gamma, self.eval_prompts, self.weight_decay) < 0:
             raise DDTreeError("warmup_steps, max_minutes, gamma, eval_prompts, weight_decay must be >= 0")
-        if self.save_dtype not in SAVE_DTYPES:
-            raise DDTreeError(f"save_dtype must be one of {sorted(SAVE_DTYPES)}, got {self.save_dtype!r}")
         self.layer_ids()  # validates the syntax
 
     def layer_ids(self) -> list[int] | None:

@@ -1,10 +1,14 @@
-"""Command-line flags generated from a config dataclass, so a new field becomes a flag by itself."""
+"""Command-line flags generated from a config dataclass, so a new field becomes a flag by itself, and
+the checks every training config shares."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import fields
 from typing import TypeVar
+
+from ddtree.errors import DDTreeError
+from ddtree.training.checkpoint import SAVE_DTYPES
 
 T = TypeVar("T")
 
@@ -27,3 +31,12 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, *, repr_defa
 def dataclass_from_args(cls: type[T], args: argparse.Namespace) -> T:
     """The ``cls`` instance the flags of :func:`add_dataclass_flags` describe."""
     return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def check_config(cfg, positive: tuple[str, ...]) -> None:
+    """The fields named in ``positive`` are > 0 and ``cfg.save_dtype`` is one the checkpoints support."""
+    for name in positive:
+        if not getattr(cfg, name) > 0:
+            raise DDTreeError(f"{name} must be > 0, got {getattr(cfg, name)!r}")
+    if cfg.save_dtype not in SAVE_DTYPES:
+        raise DDTreeError(f"save_dtype must be one of {sorted(SAVE_DTYPES)}, got {cfg.save_dtype!r}")

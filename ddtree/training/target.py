@@ -23,6 +23,7 @@ from ddtree.errors import DDTreeError
 from ddtree.training.checkpoint import CHECKPOINT, SAVE_DTYPES, load_checkpoint, save_checkpoint
 from ddtree.training.data import sample_batch, token_stream
 from ddtree.training.evaluate import heldout_ce, unigram_ce
+from ddtree.training.flags import check_config
 from ddtree.training.loop import autocast, lr_at, make_optimizer, progress, step_bar
 from ddtree.training.tokenizer import MAX_LENGTH, load_tokenizer
 
@@ -68,16 +69,12 @@ class TargetConfig:
             "lr",
             "ckpt_every",
         )
-        for name in positive:
-            if not getattr(self, name) > 0:
-                raise DDTreeError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        check_config(self, positive)
         if self.num_heads % self.num_kv_heads:
             heads = f"num_heads {self.num_heads}, num_kv_heads {self.num_kv_heads}"
             raise DDTreeError(f"num_heads must be a multiple of num_kv_heads, got {heads}")
         if self.seq_len > MAX_LENGTH:
             raise DDTreeError(f"seq_len must be <= {MAX_LENGTH}, got {self.seq_len}")
-        if self.save_dtype not in SAVE_DTYPES:
-            raise DDTreeError(f"save_dtype must be one of {sorted(SAVE_DTYPES)}, got {self.save_dtype!r}")
         if min(self.warmup_steps, self.eval_every, self.max_minutes) < 0 or not 0 <= self.min_lr_ratio <= 1:
             raise DDTreeError("warmup_steps, eval_every, max_minutes must be >= 0 and min_lr_ratio in [0, 1]")
 

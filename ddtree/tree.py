@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ddtree.errors import DDTreeError
@@ -26,7 +27,6 @@ class DraftTree:
     depths: torch.Tensor  # [N] int64; a node at depth d drafts block position d, root depth 0
     parents: torch.Tensor  # [N] int64; parents[0] = -1 and parents[i] < i (nodes are in pop order)
     logw: torch.Tensor  # [N] float32 cumulative draft log-prob of the prefix ending at the node; root 0
-    children: list[dict[int, int]]  # per node: token id -> child node index
 
     @property
     def num_nodes(self) -> int:
@@ -36,7 +36,7 @@ class DraftTree:
     def root_only(cls, root_token: int) -> DraftTree:
         """The tree plain autoregressive decoding verifies: nothing drafted, only the bonus token."""
         zero = torch.zeros(1, dtype=torch.int64)
-        return cls(torch.tensor([root_token]), zero, zero - 1, zero.float(), [{}])
+        return cls(torch.tensor([root_token]), zero, zero - 1, zero.float())
 
 
 def build_ddtree_tree(
@@ -62,35 +62,31 @@ def build_ddtree_tree(
     vals, ids = ranked.vals, ranked.ids  # [L][<= K] each, grown on demand
 
     tokens, depths, parents, logw = [root_token], [0], [-1], [0.0]
-    children: list[dict[int, int]] = [{}]
+    best = [row[0] for row in vals]  # [L] log-prob of each depth's top token: every first child's step
     pop, push = heapq.heappop, heapq.heappush
     # Entries (-score, depth, rank, parent node): the prefix is parent's prefix + the rank-th token at depth.
-    heap: list[tuple[float, int, int, int]] = [(-vals[0][0], 1, 0, 0)] if depth_max > 0 else []
+    heap: list[tuple[float, int, int, int]] = [(-best[0], 1, 0, 0)] if depth_max > 0 else []
     for node in range(1, budget + 1):
         if not heap:
             break
         neg_score, d, r, p = pop(heap)
         row = vals[d - 1]
-        token = ids[d - 1][r]
-        tokens.append(token)
+        tokens.append(ids[d - 1][r])
         depths.append(d)
         parents.append(p)
         logw.append(-neg_score)
-        children.append({})
-        children[p][token] = node
         if r + 1 < k:  # next sibling: same parent, next-ranked token
             if r + 1 == len(row):
-                ranked.grow(d - 1, r + 1)
+                ranked.grow(d - 1)
             push(heap, (-(logw[p] + row[r + 1]), d, r + 1, p))
         if d < depth_max:  # first child: best token at the next depth
-            push(heap, (neg_score - vals[d][0], d + 1, 0, node))
+            push(heap, (neg_score - best[d], d + 1, 0, node))
 
+    # One host array for the three integer outputs: each torch.tensor(list) call costs as much as the heap
+    # spends on tens of nodes.
+    ints = torch.from_numpy(np.array((tokens, depths, parents), dtype=np.int64))  # [3, N]
     return DraftTree(
-        tokens=torch.tensor(tokens, dtype=torch.int64),
-        depths=torch.tensor(depths, dtype=torch.int64),
-        parents=torch.tensor(parents, dtype=torch.int64),
-        logw=torch.tensor(logw, dtype=torch.float32),
-        children=children,
+        tokens=ints[0], depths=ints[1], parents=ints[2], logw=torch.tensor(logw, dtype=torch.float32)
     )
 
 
@@ -104,7 +100,7 @@ def top_k_rows(x: torch.Tensor, k: int, groups: int = 16) -> tuple[torch.Tensor,
     those k * ``groups`` entries is exact (up to the order of equal values).
     """
     rows, vocab = x.shape
-    if vocab % groups or vocab < 16 * k * groups:  # small rows: one top-k is cheaper
+    if vocab % groups or vocab < 4 * k * groups:  # short rows: one top-k is cheaper
         return x.topk(k, dim=-1)
     cols = vocab // groups
     grid = x.view(rows, groups, cols)  # [L, G, V / G]; entry (g, j) is vocabulary id g * V / G + j
@@ -119,7 +115,7 @@ class _RankedCandidates:
     """Per-depth candidates sorted by draft log-prob, fetched from the device lazily.
 
     A best-first tree rarely looks past the first few ranks of a depth, so one top-``FIRST_RANKS`` call
-    serves almost every round; a depth that needs more is re-ranked with a larger k (exact either way).
+    serves almost every round; a depth that needs more fetches its whole top-k at once (exact either way).
     """
 
     FIRST_RANKS = 32
@@ -133,16 +129,20 @@ class _RankedCandidates:
         self.vals: list[list[float]] = host[0].view(torch.float32).tolist()
         self.ids: list[list[int]] = host[1].tolist()
 
-    def grow(self, depth: int, rank: int) -> None:
-        """Make rank ``rank`` (< k) of row ``depth`` available in ``vals`` / ``ids``."""
-        have = len(self.vals[depth])
-        top = self.logp[depth].topk(min(self.k, max(2 * have, rank + 1)))
-        known = set(self.ids[depth])
-        # Tokens beyond the known ones rank no higher than all of them, so appending keeps the order.
-        for v, i in zip(top.values.double().tolist(), top.indices.tolist(), strict=True):
-            if i not in known:
+    def grow(self, depth: int) -> None:
+        """Extend row ``depth`` of ``vals`` / ``ids`` in place to all ``k`` ranks (a depth grows once)."""
+        values, indices = top_k_rows(self.logp[depth : depth + 1], self.k)  # [1, k] each
+        values, indices = values[0].tolist(), indices[0].tolist()
+        have, known = len(self.ids[depth]), self.ids[depth]
+        if indices[:have] == known:  # no ties reordered across the known ranks: append the rest
+            self.vals[depth] += values[have:]
+            known += indices[have:]
+            return
+        seen = set(known)  # tokens beyond the known ones rank no higher than all of them
+        for v, i in zip(values, indices, strict=True):
+            if i not in seen:
                 self.vals[depth].append(v)
-                self.ids[depth].append(i)
+                known.append(i)
 
 
 @dataclass

@@ -54,12 +54,12 @@ def follow_verified_tree(tree: DraftTree, target_tokens: list[int]) -> tuple[lis
 
     ``target_tokens[i]`` is the target's argmax after the prefix ending at node i. Returns the accepted
     node indices (root first) and the emitted tokens (accepted drafts, then the target's bonus token).
+    Nodes come in pop order (every parent before its children), so one scan in index order meets each
+    accepted node's children after the node itself; siblings carry distinct tokens, so at most one matches.
     """
-    nodes, tokens = [0], []
-    while True:
-        token = target_tokens[nodes[-1]]
-        tokens.append(token)
-        child = tree.children[nodes[-1]].get(token)
-        if child is None:
-            return nodes, tokens
-        nodes.append(child)
+    nodes, tokens = [0], [target_tokens[0]]
+    for i, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist(), strict=True)):
+        if parent == nodes[-1] and token == tokens[-1]:
+            nodes.append(i)
+            tokens.append(target_tokens[i])
+    return nodes, tokens

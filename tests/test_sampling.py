@@ -27,13 +27,11 @@ def make_tree(parents: list[int], tokens: list[int]) -> tuple[DraftTree, TreeRet
     """Tree whose siblings are tried in node-index order."""
     n = len(parents)
     depths = [0] * n
-    children: list[dict[int, int]] = [{} for _ in range(n)]
     next_token, next_sibling = [-1] * n, [-1] * n
     last_child: dict[int, int] = {}
     for i in range(1, n):
         p = parents[i]
         depths[i] = depths[p] + 1
-        children[p][tokens[i]] = i
         if p in last_child:
             next_sibling[last_child[p]] = i
         else:
@@ -44,7 +42,6 @@ def make_tree(parents: list[int], tokens: list[int]) -> tuple[DraftTree, TreeRet
         depths=torch.tensor(depths),
         parents=torch.tensor(parents),
         logw=torch.zeros(n),
-        children=children,
     )
     return tree, TreeRetrieve(next_token=torch.tensor(next_token), next_sibling=torch.tensor(next_sibling))
 

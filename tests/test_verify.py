@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.tree import DraftTree, build_ddtree_tree
+from ddtree.verify import follow_verified_tree
+
+
+def _tree(parents: list[int], tokens: list[int]) -> DraftTree:
+    depths = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depths[i] = depths[parents[i]] + 1
+    return DraftTree(
+        tokens=torch.tensor(tokens),
+        depths=torch.tensor(depths),
+        parents=torch.tensor(parents),
+        logw=torch.zeros(len(parents)),
+    )
+
+
+def _walk_with_child_maps(tree: DraftTree, target_tokens: list[int]) -> tuple[list[int], list[int]]:
+    """Reference: the textbook walk over per-node {token: child} maps."""
+    children: list[dict[int, int]] = [{} for _ in range(tree.num_nodes)]
+    for i, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist(), strict=True)):
+        if i:
+            children[parent][token] = i
+    nodes, tokens = [0], []
+    while True:
+        tokens.append(target_tokens[nodes[-1]])
+        child = children[nodes[-1]].get(tokens[-1])
+        if child is None:
+            return nodes, tokens
+        nodes.append(child)
+
+
+def test_greedy_walk_follows_the_target_argmax_and_ends_with_the_bonus():
+    #        0 (root)
+    #      /   \
+    #  1:'5'   2:'6'
+    #   |     /    \
+    # 3:'7' 4:'8'  5:'9'
+    tree = _tree([-1, 0, 0, 1, 2, 2], [0, 5, 6, 7, 8, 9])
+    # The target picks 6 after the root, 9 after node 2 and 4 after node 5: two drafts accepted + bonus 4.
+    assert follow_verified_tree(tree, [6, 0, 9, 0, 0, 4]) == ([0, 2, 5], [6, 9, 4])
+    assert follow_verified_tree(tree, [3, 7, 7, 7, 7, 7]) == ([0], [3])  # nothing accepted
+    assert follow_verified_tree(tree, [5, 7, 0, 1, 0, 0]) == ([0, 1, 3], [5, 7, 1])  # down to a leaf
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_greedy_walk_equals_the_child_map_walk_on_built_trees(seed):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, 5, generator=gen) * 0.5  # flat: wide trees with many siblings
+    tree = build_ddtree_tree(logits, 40, root_token=3)
+    # Targets that mostly agree with some child, so the walks go deep.
+    target = [int(t) for t in torch.randint(0, 5, (tree.num_nodes,), generator=gen)]
+    assert follow_verified_tree(tree, target) == _walk_with_child_maps(tree, target)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,6 +152,8 @@ class Engine:
         self.device = next(target.parameters()).device
         self.dtype = next(target.parameters()).dtype
         self.embed = target.get_input_embeddings()
+        self.decoder = target.get_decoder()  # the transformer without its LM head: logits = lm_head(hidden)
+        self.lm_head = target.get_output_embeddings()
         # The drafter only proposes tokens, so rounding in its LM head cannot change what is emitted; in
         # bf16 the largest matmul of a draft pass reads half the bytes (and runs natively where supported).
         head = target.get_output_embeddings()
@@ -257,8 +259,9 @@ class Engine:
         t0 = self._now()
         ids = torch.tensor([prompt_ids], device=self.device)  # [1, P]
         cache = new_kv_cache(self.target.config)
-        logits, features = self._target_forward(ids, None, None, cache, use_drafter, logits_to_keep=1)
-        root = self._pick(logits[0, -1], params, generator)
+        hidden, features = self._target_forward(ids, None, None, cache, use_drafter)
+        logits = self.lm_head(hidden[0, -1:])  # [1, V]
+        root = self._pick(logits[0], params, generator)
         want_logprobs = params.logprobs is not None
         state = _Decode(
             cache,
@@ -268,9 +271,7 @@ class Engine:
             features,
             generator,
         )
-        output.write(
-            [root], token_logprobs(logits[0, -1:], [root], params.logprobs) if want_logprobs else None
-        )
+        output.write([root], token_logprobs(logits, [root], params.logprobs) if want_logprobs else None)
         stats.prefill_seconds = self._now() - t0
         delta = self._delta(output, 0, stats, emitted_text)
         emitted_text += delta.text  # the text streamed so far, without decoding it a second time
@@ -279,9 +280,11 @@ class Engine:
         while output.finish_reason is None:
             t_round = self._now()
             before = len(output.token_ids)
-            nodes, tokens, logits = self._round(state, params, method, budget, topk, stats)
+            nodes, tokens, hidden = self._round(state, params, method, budget, topk, stats)
             with self._stage(stats, "commit"):
-                logprobs = token_logprobs(logits[nodes], tokens, params.logprobs) if want_logprobs else None
+                logprobs = None
+                if want_logprobs:
+                    logprobs = token_logprobs(self.lm_head(hidden[nodes]), tokens, params.logprobs)
                 taken = output.write(tokens, logprobs)
                 self._commit(state, nodes, tokens)
             stats.acceptance_lengths.append(len(tokens))
@@ -302,8 +305,9 @@ class Engine:
     ) -> tuple[list[int], list[int], torch.Tensor]:
         """Draft, build the tree, verify it in one target forward and derive the accepted path.
 
-        Returns the accepted nodes (root first), the emitted tokens (bonus last) and the tree's target
-        logits [N, V], whose row ``nodes[i]`` is the target's distribution of ``tokens[i]``.
+        Returns the accepted nodes (root first), the emitted tokens (bonus last) and the target's final
+        hidden states of the tree [N, H]: ``lm_head`` of row ``nodes[i]`` gives the distribution of
+        ``tokens[i]``.
         """
         if method == "ar":
             tree = DraftTree.root_only(state.root)
@@ -323,16 +327,27 @@ class Engine:
             ids, positions, mask = tree_verify_inputs(tree, state.start, self.device, self.dtype)
             retrieve = None if params.greedy else compile_ddtree_retrieve(tree.parents, tree.logw)
         with self._stage(stats, "verify"):
-            logits, features = self._target_forward(ids, positions, mask, state.cache, method != "ar")
+            hidden, features = self._target_forward(ids, positions, mask, state.cache, method != "ar")
             state.features = features
-            logits = logits[0]  # [N, V]
-        with self._stage(stats, "accept"):
+            hidden = hidden[0]  # [N, H]
+        with self._stage(stats, "accept"):  # the LM head runs here: greedy needs only some of its rows
             if params.greedy:
-                return *follow_verified_tree(tree, logits.argmax(dim=-1).tolist()), logits
-            probs = target_probs_from_logits(logits, params)  # [N, V]
+                return *follow_verified_tree(tree, self._greedy_tokens(hidden)), hidden
+            probs = target_probs_from_logits(self.lm_head(hidden), params)  # [N, V]
             coins = torch.rand(tree.num_nodes, generator=state.generator, device=self.device)
             final_coin = torch.rand((), generator=state.generator, device=self.device)
-            return *sample_tree(tree, retrieve, probs, coins, final_coin), logits
+            return *sample_tree(tree, retrieve, probs, coins, final_coin), hidden
+
+    def _greedy_tokens(self, hidden: torch.Tensor) -> Callable[[int], int]:
+        """The target's argmax at node i, from the tree's final hidden states [N, H].
+
+        The greedy walk reads only the nodes it accepts (a few of N). On the CPU, where the LM head over
+        N rows is compute-bound, the rows are computed as the walk asks for them; on an accelerator one
+        head over all rows is one kernel and one transfer instead of a sync per accepted token.
+        """
+        if self.device.type == "cpu":
+            return lambda i: int(self.lm_head(hidden[i : i + 1]).argmax())  # [1, H]: plain decoding's shapes
+        return self.lm_head(hidden).argmax(dim=-1).tolist().__getitem__
 
     def _draft(self, state: _Decode, depth: int) -> torch.Tensor:
         """One drafter pass over [root, MASK x (block_size - 1)]; logits of its first ``depth`` drafts."""
@@ -371,19 +386,18 @@ class Engine:
         mask: torch.Tensor | None,
         cache: DynamicCache,
         need_features: bool,
-        logits_to_keep: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = self.target(
+        """Final hidden states [1, T, H] (before the LM head) and the drafter's features of the T tokens."""
+        out = self.decoder(
             input_ids=ids,
             position_ids=positions,
             attention_mask=mask,
             cache=cache,
             use_cache=True,
             output_hidden_states=need_features,
-            logits_to_keep=logits_to_keep,
         )
         features = self.drafter.select_features(out.hidden_states) if need_features else None
-        return out.logits, features
+        return out.last_hidden_state, features
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
         """The first token, straight from the prefill logits [V]."""

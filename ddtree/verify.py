@@ -7,6 +7,8 @@ its logits are exactly those the target would give after the prefix that ends at
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -49,17 +51,18 @@ def tree_verify_inputs(
     return input_ids, position_ids, mask[None, None]
 
 
-def follow_verified_tree(tree: DraftTree, target_tokens: list[int]) -> tuple[list[int], list[int]]:
+def follow_verified_tree(tree: DraftTree, target_token: Callable[[int], int]) -> tuple[list[int], list[int]]:
     """Greedy acceptance: walk the target's argmax down the tree from the root.
 
-    ``target_tokens[i]`` is the target's argmax after the prefix ending at node i. Returns the accepted
-    node indices (root first) and the emitted tokens (accepted drafts, then the target's bonus token).
+    ``target_token(i)`` is the target's argmax after the prefix ending at node i; the walk asks only for
+    the nodes it accepts. Returns the accepted node indices (root first) and the emitted tokens
+    (accepted drafts, then the target's bonus token).
     Nodes come in pop order (every parent before its children), so one scan in index order meets each
     accepted node's children after the node itself; siblings carry distinct tokens, so at most one matches.
     """
-    nodes, tokens = [0], [target_tokens[0]]
+    nodes, tokens = [0], [target_token(0)]
     for i, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist(), strict=True)):
         if parent == nodes[-1] and token == tokens[-1]:
             nodes.append(i)
-            tokens.append(target_tokens[i])
+            tokens.append(target_token(i))
     return nodes, tokens

@@ -42,9 +42,9 @@ def test_greedy_walk_follows_the_target_argmax_and_ends_with_the_bonus():
     # 3:'7' 4:'8'  5:'9'
     tree = _tree([-1, 0, 0, 1, 2, 2], [0, 5, 6, 7, 8, 9])
     # The target picks 6 after the root, 9 after node 2 and 4 after node 5: two drafts accepted + bonus 4.
-    assert follow_verified_tree(tree, [6, 0, 9, 0, 0, 4]) == ([0, 2, 5], [6, 9, 4])
-    assert follow_verified_tree(tree, [3, 7, 7, 7, 7, 7]) == ([0], [3])  # nothing accepted
-    assert follow_verified_tree(tree, [5, 7, 0, 1, 0, 0]) == ([0, 1, 3], [5, 7, 1])  # down to a leaf
+    assert follow_verified_tree(tree, [6, 0, 9, 0, 0, 4].__getitem__) == ([0, 2, 5], [6, 9, 4])
+    assert follow_verified_tree(tree, [3, 7, 7, 7, 7, 7].__getitem__) == ([0], [3])  # nothing accepted
+    assert follow_verified_tree(tree, [5, 7, 0, 1, 0, 0].__getitem__) == ([0, 1, 3], [5, 7, 1])  # to a leaf
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -54,4 +54,19 @@ def test_greedy_walk_equals_the_child_map_walk_on_built_trees(seed):
     tree = build_ddtree_tree(logits, 40, root_token=3)
     # Targets that mostly agree with some child, so the walks go deep.
     target = [int(t) for t in torch.randint(0, 5, (tree.num_nodes,), generator=gen)]
-    assert follow_verified_tree(tree, target) == _walk_with_child_maps(tree, target)
+    assert follow_verified_tree(tree, target.__getitem__) == _walk_with_child_maps(tree, target)
+
+
+def test_greedy_walk_asks_the_target_only_about_the_nodes_it_accepts():
+    """The engine computes LM-head rows on demand, so the walk must not look at other nodes."""
+    tree = _tree([-1, 0, 0, 1, 2, 2, 4], [0, 5, 6, 7, 8, 9, 3])
+    argmax = [6, 0, 8, 0, 3, 0, 2]
+    asked: list[int] = []
+
+    def target_token(i: int) -> int:
+        asked.append(i)
+        return argmax[i]
+
+    nodes, tokens = follow_verified_tree(tree, target_token)
+    assert (nodes, tokens) == ([0, 2, 4, 6], [6, 8, 3, 2])
+    assert asked == nodes

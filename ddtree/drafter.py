@@ -164,7 +164,9 @@ class DFlashDecoderLayer(nn.Module):
 
     def forward(self, x, ctx, rope, cache, mask) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope, cache, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        # The MLP may hold lower-precision weights than the rest (the engine drafts so): cast in and out.
+        return x + self.mlp(h.to(self.mlp.down_proj.weight.dtype)).to(x.dtype)
 
 
 class DFlashDrafter(nn.Module):

@@ -10,6 +10,7 @@ produce the same verdict and go through ``ddtree.commit``.
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -54,6 +55,16 @@ def _fast_low_precision(device: torch.device) -> torch.dtype:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     native = device.type == "cpu" and torch.cpu._is_avx512_bf16_supported()
     return torch.bfloat16 if native else torch.float32
+
+
+def _with_mlp_dtype(drafter: DFlashDrafter, dtype: torch.dtype) -> DFlashDrafter:
+    """``drafter``, or a copy of it whose MLP weights are ``dtype`` (the caller's module is left alone)."""
+    if all(p.dtype == dtype for layer in drafter.layers for p in layer.mlp.parameters()):
+        return drafter
+    drafter = copy.deepcopy(drafter)
+    for layer in drafter.layers:
+        layer.mlp.to(dtype)
+    return drafter
 
 
 @dataclass
@@ -141,25 +152,28 @@ class Engine:
         method: str = "ddtree",
         budget: int = 64,
         topk: int | None = None,
-        draft_head_dtype: torch.dtype | None = None,
+        draft_dtype: torch.dtype | None = None,
     ) -> None:
         self.target = target.eval()
-        self.drafter = drafter.eval() if drafter is not None else None
         self.tokenizer = tokenizer
-        if self.drafter is not None:
-            check_pair(target, self.drafter)
+        if drafter is not None:
+            check_pair(target, drafter)
         self.method, self.budget, self.topk = check_engine_options(method, budget, topk, drafter is not None)
         self.device = next(target.parameters()).device
         self.dtype = next(target.parameters()).dtype
         self.embed = target.get_input_embeddings()
         self.decoder = target.get_decoder()  # the transformer without its LM head: logits = lm_head(hidden)
         self.lm_head = target.get_output_embeddings()
-        # The drafter only proposes tokens, so rounding in its LM head cannot change what is emitted; in
-        # bf16 the largest matmul of a draft pass reads half the bytes (and runs natively where supported).
-        head = target.get_output_embeddings()
-        head_dtype = draft_head_dtype or _fast_low_precision(self.device)
-        self.draft_head = head.weight.detach().to(head_dtype)  # [V, H]
-        self.draft_head_bias = None if head.bias is None else head.bias.detach().to(head_dtype)
+        # The drafter only proposes tokens, so rounding in its matmuls cannot change what is emitted. Its
+        # LM head (a copy of the target's) and its MLPs, the largest matmuls of a draft pass, run in
+        # `draft_dtype`: bf16 reads half the bytes and runs natively where supported (attention and norms
+        # stay in the model's dtype: bf16 is slower there on CPUs).
+        draft_dtype = draft_dtype or _fast_low_precision(self.device)
+        self.draft_head = self.lm_head.weight.detach().to(draft_dtype)  # [V, H]
+        self.draft_head_bias = (
+            None if self.lm_head.bias is None else self.lm_head.bias.detach().to(draft_dtype)
+        )
+        self.drafter = None if drafter is None else _with_mlp_dtype(drafter.eval(), draft_dtype)
         self.eos_token_ids = eos_token_ids(target, tokenizer)
         self.max_positions = int(getattr(target.config, "max_position_embeddings", 1 << 30))
 

@@ -55,12 +55,15 @@ def test_greedy_matches_plain_decoding(pair):
     assert accepted_more_than_one > 50  # the tree path was exercised, not just the bonus token
 
 
-@pytest.mark.parametrize("head_dtype", [torch.float32, torch.bfloat16])
-def test_draft_head_precision_changes_proposals_not_output(pair, head_dtype):
-    """The drafter's LM head may round (bf16 by default where it is native); only acceptance can change."""
+@pytest.mark.parametrize("draft_dtype", [torch.float32, torch.bfloat16])
+def test_draft_precision_changes_proposals_not_output(pair, draft_dtype):
+    """The drafter's LM head and MLPs may round (bf16 by default where it is native); only acceptance can
+    change. The caller's drafter keeps its own weights."""
     target, drafter = pair
-    engine = Engine(target, drafter, method="ddtree", budget=16, draft_head_dtype=head_dtype)
-    assert engine.draft_head.dtype == head_dtype
+    engine = Engine(target, drafter, method="ddtree", budget=16, draft_dtype=draft_dtype)
+    assert engine.draft_head.dtype == draft_dtype
+    assert {p.dtype for layer in engine.drafter.layers for p in layer.mlp.parameters()} == {draft_dtype}
+    assert {p.dtype for p in drafter.parameters()} == {torch.float32}
     for prompt in PROMPTS:
         result = engine.generate(prompt, SamplingParams(max_new_tokens=NEW))
         assert result.token_ids == hf_greedy(target, prompt, NEW)

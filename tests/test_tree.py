@@ -106,6 +106,26 @@ def test_grouped_top_k_equals_full_top_k(vocab, k, scale):
         assert torch.equal(indices[torch.arange(15) != 3], want.indices[torch.arange(15) != 3])
 
 
+@pytest.mark.parametrize("first_ranks", [1, 3])
+def test_tree_with_tied_draft_logits_grows_without_repeating_a_sibling(first_ranks, monkeypatch):
+    """Ties let a re-ranked depth list its known tokens in another order; growing must not add them twice.
+
+    With ties the chosen prefixes are not unique, so the check is on what is: the scores of the
+    ``budget`` best prefixes, and a valid tree (distinct siblings, logw = sum of per-depth log-probs).
+    """
+    monkeypatch.setattr(_RankedCandidates, "FIRST_RANKS", first_ranks)
+    gen = torch.Generator().manual_seed(first_ranks)
+    logits = torch.randint(0, 3, (3, 12), generator=gen).float()  # 3 distinct values: many ties
+    tree = build_ddtree_tree(logits, 40)
+    _check_structure(tree, root_token=0)
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    got = _prefixes(tree)
+    for prefix, logw in got.items():
+        assert abs(logw - sum(logp[d, t].item() for d, t in enumerate(prefix))) < 1e-5
+    want = sorted(_brute_force(logits, 40, None).values(), reverse=True)
+    assert torch.allclose(torch.tensor(sorted(got.values(), reverse=True)), torch.tensor(want), atol=1e-5)
+
+
 def test_tree_over_a_large_vocabulary_is_the_budget_most_probable_prefixes():
     """Budget 256 over 32k tokens and 15 positions (the grouped top-k path) against an exact reference."""
     gen = torch.Generator().manual_seed(5)

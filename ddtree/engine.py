@@ -29,7 +29,7 @@ from ddtree.models import check_pair, eos_token_ids, load_drafter, load_target
 from ddtree.params import SamplingParams
 from ddtree.sampling import sample_from_probs, sample_tree, target_probs_from_logits
 from ddtree.tree import DraftTree, build_ddtree_tree, compile_ddtree_retrieve
-from ddtree.verify import follow_verified_tree, tree_verify_inputs
+from ddtree.verify import first_child_chain, follow_verified_tree, tree_verify_inputs
 
 METHODS = ("ddtree", "dflash", "ar")
 STAGES = ("draft", "tree", "compile", "verify", "accept", "commit")
@@ -344,24 +344,36 @@ class Engine:
             hidden, features = self._target_forward(ids, positions, mask, state.cache, method != "ar")
             state.features = features
             hidden = hidden[0]  # [N, H]
-        with self._stage(stats, "accept"):  # the LM head runs here: greedy needs only some of its rows
+            # The LM head closes the target forward. Sampling reads every node's distribution; the greedy
+            # walk reads only the nodes it accepts.
+            head = self._greedy_head(tree, hidden) if params.greedy else self.lm_head(hidden)  # [N, V]
+        with self._stage(stats, "accept"):
             if params.greedy:
-                return *follow_verified_tree(tree, self._greedy_tokens(hidden)), hidden
-            probs = target_probs_from_logits(self.lm_head(hidden), params)  # [N, V]
+                return *follow_verified_tree(tree, head), hidden
+            probs = target_probs_from_logits(head, params)  # [N, V]
             coins = torch.rand(tree.num_nodes, generator=state.generator, device=self.device)
             final_coin = torch.rand((), generator=state.generator, device=self.device)
             return *sample_tree(tree, retrieve, probs, coins, final_coin), hidden
 
-    def _greedy_tokens(self, hidden: torch.Tensor) -> Callable[[int], int]:
+    def _greedy_head(self, tree: DraftTree, hidden: torch.Tensor) -> Callable[[int], int]:
         """The target's argmax at node i, from the tree's final hidden states [N, H].
 
-        The greedy walk reads only the nodes it accepts (a few of N). On the CPU, where the LM head over
-        N rows is compute-bound, the rows are computed as the walk asks for them; on an accelerator one
-        head over all rows is one kernel and one transfer instead of a sync per accepted token.
+        On an accelerator one head over all N rows is one kernel and one transfer. On the CPU the head's
+        cost grows with its rows, and the walk usually accepts along the first-child chain (the drafter's
+        top token at each depth): those rows go through the head together, and a node off the chain gets
+        its row when the walk reaches it (counted in the accept stage).
         """
-        if self.device.type == "cpu":
-            return lambda i: int(self.lm_head(hidden[i : i + 1]).argmax())  # [1, H]: plain decoding's shapes
-        return self.lm_head(hidden).argmax(dim=-1).tolist().__getitem__
+        if self.device.type != "cpu":
+            return self.lm_head(hidden).argmax(dim=-1).tolist().__getitem__
+        chain = first_child_chain(tree)
+        known = dict(zip(chain, self.lm_head(hidden[chain]).argmax(dim=-1).tolist(), strict=True))
+
+        def target_token(i: int) -> int:
+            if i not in known:
+                known[i] = int(self.lm_head(hidden[i : i + 1]).argmax())
+            return known[i]
+
+        return target_token
 
     def _draft(self, state: _Decode, depth: int) -> torch.Tensor:
         """One drafter pass over [root, MASK x (block_size - 1)]; logits of its first ``depth`` drafts."""

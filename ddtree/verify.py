@@ -66,3 +66,15 @@ def follow_verified_tree(tree: DraftTree, target_token: Callable[[int], int]) ->
             nodes.append(i)
             tokens.append(target_token(i))
     return nodes, tokens
+
+
+def first_child_chain(tree: DraftTree) -> list[int]:
+    """Nodes of the path that takes every node's most probable child: the drafter's top-1 continuation.
+
+    In pop order a node's first child to appear is its most probable one.
+    """
+    chain = [0]
+    for i, parent in enumerate(tree.parents.tolist()):
+        if parent == chain[-1]:
+            chain.append(i)
+    return chain

@@ -91,8 +91,13 @@ def _key(t: torch.Tensor | None) -> tuple | None:
 
 
 def memoise(target: Qwen3ForCausalLM, drafter: DFlashDrafter) -> None:
-    """Replay forwards whose inputs (KV cache contents included) were seen before, appending to the cache."""
-    target_forward, drafter_forward = target.forward, drafter.forward
+    """Replay forwards whose inputs (KV cache contents included) were seen before, appending to the cache.
+
+    The engine runs the target's decoder (``target.model``) and applies the LM head itself, so the decoder is
+    what gets memoised.
+    """
+    decoder = target.get_decoder()
+    target_forward, drafter_forward = decoder.forward, drafter.forward
     seen_target: dict = {}
     seen_drafter: dict = {}
 
@@ -120,7 +125,9 @@ def memoise(target: Qwen3ForCausalLM, drafter: DFlashDrafter) -> None:
                 (layer.keys[:, :, b:].clone(), layer.values[:, :, b:].clone())
                 for layer, b in zip(layers, before, strict=True)
             ]
-            seen_target[key] = (SimpleNamespace(logits=out.logits, hidden_states=out.hidden_states), appended)
+            hidden = out.last_hidden_state
+            outputs = SimpleNamespace(last_hidden_state=hidden, hidden_states=out.hidden_states)
+            seen_target[key] = (outputs, appended)
             return seen_target[key][0]
         out, appended = seen_target[key]
         for i, (k, v) in enumerate(appended):
@@ -150,7 +157,7 @@ def memoise(target: Qwen3ForCausalLM, drafter: DFlashDrafter) -> None:
             cache.extend(i, k, v, k.shape[2])
         return out
 
-    target.forward = forward_target
+    decoder.forward = forward_target
     drafter.forward = forward_drafter
 
 

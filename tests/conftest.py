@@ -1,4 +1,7 @@
-"""Tiny randomly initialised models, built in-process: the real HF classes, small enough for CI."""
+"""Tiny randomly initialised models, built in-process: the real HF classes, small enough for CI.
+
+Also hand-made draft trees for the verification and sampling tests.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from transformers import (
 )
 
 from ddtree.drafter import DFlashDrafter, dflash_config
+from ddtree.tree import DraftTree
 
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine they lose a lot to them.
 torch.set_num_threads(1)
@@ -25,6 +29,19 @@ MASK = VOCAB - 1
 TEXT = (
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 4
 )
+
+
+def tree_from_parents(parents: list[int], tokens: list[int]) -> DraftTree:
+    """A DraftTree given each node's parent (root -1, parents before children) and token; logw all 0."""
+    depths = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depths[i] = depths[parents[i]] + 1
+    return DraftTree(
+        tokens=torch.tensor(tokens),
+        depths=torch.tensor(depths),
+        parents=torch.tensor(parents),
+        logw=torch.zeros(len(parents)),
+    )
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:

@@ -21,28 +21,22 @@ from ddtree.sampling import (
     tree_speculative_sampling_target_only,
 )
 from ddtree.tree import DraftTree, TreeRetrieve
+from tests.conftest import tree_from_parents
 
 
 def make_tree(parents: list[int], tokens: list[int]) -> tuple[DraftTree, TreeRetrieve]:
     """Tree whose siblings are tried in node-index order."""
     n = len(parents)
-    depths = [0] * n
     next_token, next_sibling = [-1] * n, [-1] * n
     last_child: dict[int, int] = {}
     for i in range(1, n):
         p = parents[i]
-        depths[i] = depths[p] + 1
         if p in last_child:
             next_sibling[last_child[p]] = i
         else:
             next_token[p] = i
         last_child[p] = i
-    tree = DraftTree(
-        tokens=torch.tensor(tokens),
-        depths=torch.tensor(depths),
-        parents=torch.tensor(parents),
-        logw=torch.zeros(n),
-    )
+    tree = tree_from_parents(parents, tokens)
     return tree, TreeRetrieve(next_token=torch.tensor(next_token), next_sibling=torch.tensor(next_sibling))
 
 

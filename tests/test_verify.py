@@ -5,18 +5,7 @@ import torch
 
 from ddtree.tree import DraftTree, build_ddtree_tree
 from ddtree.verify import first_child_chain, follow_verified_tree
-
-
-def _tree(parents: list[int], tokens: list[int]) -> DraftTree:
-    depths = [0] * len(parents)
-    for i in range(1, len(parents)):
-        depths[i] = depths[parents[i]] + 1
-    return DraftTree(
-        tokens=torch.tensor(tokens),
-        depths=torch.tensor(depths),
-        parents=torch.tensor(parents),
-        logw=torch.zeros(len(parents)),
-    )
+from tests.conftest import tree_from_parents
 
 
 def _walk_with_child_maps(tree: DraftTree, target_tokens: list[int]) -> tuple[list[int], list[int]]:
@@ -40,7 +29,7 @@ def test_greedy_walk_follows_the_target_argmax_and_ends_with_the_bonus():
     #  1:'5'   2:'6'
     #   |     /    \
     # 3:'7' 4:'8'  5:'9'
-    tree = _tree([-1, 0, 0, 1, 2, 2], [0, 5, 6, 7, 8, 9])
+    tree = tree_from_parents([-1, 0, 0, 1, 2, 2], [0, 5, 6, 7, 8, 9])
     # The target picks 6 after the root, 9 after node 2 and 4 after node 5: two drafts accepted + bonus 4.
     assert follow_verified_tree(tree, [6, 0, 9, 0, 0, 4].__getitem__) == ([0, 2, 5], [6, 9, 4])
     assert follow_verified_tree(tree, [3, 7, 7, 7, 7, 7].__getitem__) == ([0], [3])  # nothing accepted
@@ -59,7 +48,7 @@ def test_greedy_walk_equals_the_child_map_walk_on_built_trees(seed):
 
 def test_greedy_walk_asks_the_target_only_about_the_nodes_it_accepts():
     """The engine computes LM-head rows on demand, so the walk must not look at other nodes."""
-    tree = _tree([-1, 0, 0, 1, 2, 2, 4], [0, 5, 6, 7, 8, 9, 3])
+    tree = tree_from_parents([-1, 0, 0, 1, 2, 2, 4], [0, 5, 6, 7, 8, 9, 3])
     argmax = [6, 0, 8, 0, 3, 0, 2]
     asked: list[int] = []
 
@@ -74,6 +63,6 @@ def test_greedy_walk_asks_the_target_only_about_the_nodes_it_accepts():
 
 def test_first_child_chain_takes_each_nodes_most_probable_child():
     # Root children 1 (best) and 2; node 1's children 3 (best) and 5; node 3's child 4; node 2's child 6.
-    tree = _tree([-1, 0, 0, 1, 3, 1, 2], [0, 5, 6, 7, 8, 9, 3])
+    tree = tree_from_parents([-1, 0, 0, 1, 3, 1, 2], [0, 5, 6, 7, 8, 9, 3])
     assert first_child_chain(tree) == [0, 1, 3, 4]
-    assert first_child_chain(_tree([-1], [4])) == [0]
+    assert first_child_chain(tree_from_parents([-1], [4])) == [0]

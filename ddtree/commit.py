@@ -12,57 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
-from ddtree.buffers import KVBuffers
 from ddtree.errors import DDTreeError
 from ddtree.params import SamplingParams
-
-
-class PreallocatedLayer(DynamicLayer):
-    """A ``DynamicLayer`` whose keys/values are views into ``KVBuffers``.
-
-    HF's layer concatenates on every update, which copies the whole cache once per forward. Here an
-    update copies only the new tokens; ``crop`` (inherited) shrinks the view, and the in-place compaction
-    of ``compact_kv_cache`` writes straight into the buffers.
-    """
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        self._buffers = KVBuffers()
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.keys, self.values = self._buffers.write(self.get_seq_length(), key_states, value_states)
-        return self.keys, self.values
-
-
-def new_kv_cache(config) -> DynamicCache:
-    """The target's KV cache: HF's ``DynamicCache`` with full-attention layers preallocated."""
-    cache = DynamicCache(config=config)
-    cache.layers = [PreallocatedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
-    return cache
-
-
-def compact_kv_cache(cache: DynamicCache, start: int, num_nodes: int, accepted: list[int]) -> None:
-    """Keep cache slots ``start + accepted`` at ``start .. start + m`` and drop the rest of the tree.
-
-    ``accepted`` holds m increasing node indices starting with the root (0), so slot ``start`` stays
-    where it is; the gather copies before it writes, so overlapping moves are safe. A path that is
-    already ``0 .. m - 1`` (a first-child chain, the common case) only needs the crop.
-    """
-    m = len(accepted)
-    if accepted[-1] != m - 1:
-        src = torch.tensor(accepted, device=cache.layers[0].keys.device) + start  # [m]
-        for layer in cache.layers:
-            for kv in (layer.keys, layer.values):  # [B, kv_heads, start + N, D]
-                kv[:, :, start : start + m] = kv.index_select(2, src)
-    if num_nodes > m:
-        cache.crop(-(num_nodes - m))
 
 
 @dataclass

@@ -6,8 +6,9 @@ context is ``hidden_norm(fc(concat of target hidden states at target_layer_ids))
 token. Within the block attention is bidirectional, so every MASK position is predicted at once. The
 drafter's final hidden states go through its own ``norm`` and then the target's LM head.
 
-Context keys/values never change once computed, so each layer caches them (``DraftCache``); the
-block's keys/values live only for one pass, which is the same as appending them and cropping back.
+Context keys/values never change once computed, so the engine caches them (a ``KVCache`` row per request);
+a pass writes the new context and the block after the cached context, and only the context counts as
+cached, so the next pass overwrites the block.
 The checkpoint format is the public DFlash one (``DFlashDraftModel``), so checkpoints interoperate.
 """
 
@@ -23,8 +24,8 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from ddtree.buffers import KVBuffers
 from ddtree.errors import DDTreeError
+from ddtree.kv_cache import CacheWrite
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -72,38 +73,6 @@ def dflash_config(
     )
 
 
-class DraftCache:
-    """Per-layer keys/values of the context features, in ``KVBuffers`` written in place.
-
-    Each pass writes the new context and the block after the cached context and attends over that
-    prefix of the buffers; only the context part counts as cached, so the next pass overwrites the block.
-    """
-
-    def __init__(self, num_layers: int) -> None:
-        self._buffers = [KVBuffers() for _ in range(num_layers)]
-        self._lengths = [0] * num_layers
-
-    @property
-    def length(self) -> int:
-        return self._lengths[0]
-
-    def cached(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Keys and values of the cached context of ``layer``: [B, kv_heads, context, D] each, or None."""
-        buffers, n = self._buffers[layer], self._lengths[layer]
-        return None if buffers.keys is None else (buffers.keys[:, :, :n], buffers.values[:, :, :n])
-
-    def extend(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, num_ctx: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``k``/``v`` ([new context ; block]) after the cached context and cache the context part.
-
-        Returns keys/values of [whole context ; block], views into the buffers.
-        """
-        old = self._lengths[layer]
-        self._lengths[layer] = old + num_ctx
-        return self._buffers[layer].write(old, k, v)
-
-
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding; x [B, heads, T, D], cos/sin [B, T, D]."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -133,8 +102,8 @@ class DFlashAttention(nn.Module):
         x: torch.Tensor,  # [B, S, H] block hidden states
         ctx: torch.Tensor,  # [B, C, H] projected context features not yet cached (C may be 0)
         rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin [B, C + S, D] of [new context ; block]
-        cache: DraftCache | None,
-        mask: torch.Tensor | None,  # [B, 1, S, context + S] bool (True = attend) or None for full
+        cache: CacheWrite | None,  # where [new context ; block] go; None: no cache, ctx is the whole context
+        mask: torch.Tensor | None,  # [B, 1, S, span] bool (True = attend) or None for full
     ) -> torch.Tensor:
         b, s, _ = x.shape
         c = ctx.shape[1]
@@ -147,7 +116,7 @@ class DFlashAttention(nn.Module):
         k = _rotate(k, cos, sin)  # [B, kv_heads, C + S, D]
         v = self.v_proj(kv_in).view(b, c + s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if cache is not None:
-            k, v = cache.extend(self.layer_idx, k, v, c)  # [B, kv_heads, context + S, D]
+            k, v = cache.write(self.layer_idx, k, v)  # [B, kv_heads, span, D]
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads
         )  # [B, heads, S, D]
@@ -194,9 +163,6 @@ class DFlashDrafter(nn.Module):
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=getattr(self.config, "initializer_range", 0.02))
 
-    def new_cache(self) -> DraftCache:
-        return DraftCache(len(self.layers))
-
     def select_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Concatenate the target's hidden states after layers ``target_layer_ids``: [B, T, F * H]."""
         return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
@@ -207,8 +173,8 @@ class DFlashDrafter(nn.Module):
         features: torch.Tensor,  # [B, C, F * H] target features of context tokens not yet in the cache
         block_positions: torch.Tensor,  # [B, S] int64
         ctx_positions: torch.Tensor,  # [B, C] int64
-        cache: DraftCache | None = None,
-        mask: torch.Tensor | None = None,  # [B, 1, S, context + S] bool; None = attend to everything
+        cache: CacheWrite | None = None,
+        mask: torch.Tensor | None = None,  # [B, 1, S, span] bool; None = attend to everything
     ) -> torch.Tensor:
         """Final (normed) hidden states of the block, [B, S, H]; apply the target's LM head to get logits."""
         ctx = self.hidden_norm(self.fc(features))  # [B, C, H]

@@ -1,51 +1,55 @@
-"""The engine loop: prefill, then rounds of draft -> tree -> verify -> accept -> commit.
+"""The engine: a continuously batched loop of rounds, draft -> tree -> verify -> accept -> commit.
 
-Three methods share the loop and differ only in the tree they verify:
+Every running request is a row. One step runs ONE round for every running row (one drafter forward over
+the rows that draft, one target forward over all rows' trees), then admits waiting requests with one batched
+prefill. Each row keeps its own method, budget, sampling parameters, random generator and KV length, so a
+request's output is the same alone or in any batch. Three methods share the round and differ only in the tree
+they verify:
   ``ddtree`` the best-first tree of the ``budget`` most probable draft prefixes,
   ``dflash`` the drafter's argmax chain (linear speculative decoding),
   ``ar``     the root alone (plain autoregressive decoding; no drafter pass).
-Greedy requests accept by walking the target's argmax; sampled ones by tree rejection sampling. Both
-produce the same verdict and go through ``ddtree.commit``.
+Greedy rows accept by walking the target's argmax; sampled rows by tree rejection sampling. Both produce the
+same verdict and go through ``ddtree.commit``.
+
+The request-level API follows vLLM's ``LLMEngine``: ``add_request`` / ``step`` / ``abort``; ``generate`` and
+``stream`` drive that loop for callers that want results.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
-from ddtree.commit import OutputState, TokenLogprobs, compact_kv_cache, new_kv_cache, token_logprobs
+from ddtree.commit import OutputState, TokenLogprobs, token_logprobs
 from ddtree.drafter import DFlashDrafter
 from ddtree.errors import DDTreeError
-from ddtree.models import check_pair, eos_token_ids, load_drafter, load_target
-from ddtree.params import SamplingParams
-from ddtree.sampling import sample_from_probs, sample_tree, target_probs_from_logits
+from ddtree.forward import TargetForward
+from ddtree.models import DEFAULT_DRAFTER, DEFAULT_TARGET, check_pair, eos_token_ids, load_drafter, load_target
+from ddtree.params import METHODS, SamplingParams, check_accept_thresholds, check_speculative_options
+from ddtree.sampling import SamplingTensors, filtered_probs, sample_trees
 from ddtree.tree import DraftTree, build_ddtree_tree, compile_ddtree_retrieve
 from ddtree.verify import first_child_chain, follow_verified_tree, tree_verify_inputs
 
-METHODS = ("ddtree", "dflash", "ar")
 STAGES = ("draft", "tree", "compile", "verify", "accept", "commit")
 
 
 def check_engine_options(
     method: str, budget: int, topk: int | None, has_drafter: bool
 ) -> tuple[str, int, int | None]:
-    if method not in METHODS:
-        raise DDTreeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    method, budget, topk = check_speculative_options(method, budget, topk)
     if method != "ar" and not has_drafter:
         raise DDTreeError(f"method {method!r} needs a drafter; pass one or use method 'ar'")
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise DDTreeError(f"budget must be an integer >= 1, got {budget!r}")
-    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
-        raise DDTreeError(f"topk must be an integer >= 1, got {topk!r}")
     return method, budget, topk
 
 
@@ -69,7 +73,11 @@ def _with_mlp_dtype(drafter: DFlashDrafter, dtype: torch.dtype) -> DFlashDrafter
 
 @dataclass
 class GenerationStats:
-    """What a response cost. ``acceptance_lengths`` has one entry per round: accepted drafts + 1."""
+    """What a response cost. ``acceptance_lengths`` has one entry per round: accepted drafts + 1.
+
+    Stage, prefill and decode seconds are the wall time of the batched forwards and rounds the request
+    took part in (shared with its batch companions).
+    """
 
     method: str
     budget: int
@@ -79,6 +87,7 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_tokens: int = 0
+    accept_thresholds: tuple[float, float] = (1.0, 1.0)  # (single, acc); below 1.0 the output is lossy
 
     @property
     def rounds(self) -> int:
@@ -94,7 +103,7 @@ class GenerationStats:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     def as_dict(self) -> dict:
-        return {
+        out = {
             "method": self.method,
             "budget": self.budget,
             "prompt_tokens": self.prompt_tokens,
@@ -107,6 +116,9 @@ class GenerationStats:
             "decode_tokens": self.decode_tokens,
             "decode_tokens_per_second": self.decode_tokens_per_second,
         }
+        if self.accept_thresholds != (1.0, 1.0):
+            out["accept_threshold_single"], out["accept_threshold_acc"] = self.accept_thresholds
+        return out
 
 
 @dataclass
@@ -116,12 +128,14 @@ class GenerationResult:
     finish_reason: str
     stats: GenerationStats
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # aligned with token_ids when requested
+    request_id: str = ""
 
 
 @dataclass
 class StreamDelta:
-    """What one round added: new token ids and the newly stable text (may be empty)."""
+    """What one step added to one request: new token ids and the newly stable text (may be empty)."""
 
+    request_id: str
     token_ids: list[int]
     text: str
     finish_reason: str | None
@@ -130,19 +144,55 @@ class StreamDelta:
 
 
 @dataclass
-class _Decode:
-    """Per-request loop state: the target cache holds positions [0, start); the root sits at ``start``."""
+class Request:
+    """One request's decoding state, public so a scheduler can see it.
 
-    cache: DynamicCache
-    draft_cache: object | None
-    start: int
-    root: int
-    features: torch.Tensor | None  # [1, C, F * H] target features the drafter has not consumed yet
+    While it runs, the target cache row ``row`` holds its tokens at columns [0, start) and the root (the
+    last committed token, not yet in the cache) sits at position ``start``; a drafting request also owns
+    drafter cache row ``draft_row`` holding [0, draft_len) and the target features of the tokens the drafter
+    has not consumed yet.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    method: str
+    budget: int
+    topk: int | None
+    output: OutputState
+    stats: GenerationStats
     generator: torch.Generator
+    row: int = -1
+    draft_row: int = -1
+    start: int = 0
+    root: int = -1
+    draft_len: int = 0
+    features: torch.Tensor | None = None  # [C, F * H]
+    emitted_text: str = ""  # text already returned in deltas
+
+    @property
+    def drafts(self) -> bool:
+        return self.method != "ar"
+
+
+@dataclass
+class VerifyBatch:
+    """Inputs of the round's ONE target forward: every row's tree, padded to the widest (N nodes).
+
+    Row b's node j sits at position start_b + depth_j, writes its keys/values at column start_b + j and sees
+    the row's committed columns [0, start_b) plus its own ancestors; padding nodes write to the scratch
+    column and are never read.
+    """
+
+    ids: torch.Tensor  # [B, N] int64
+    positions: torch.Tensor  # [B, N] int64
+    cols: torch.Tensor  # [B, N] int64
+    mask: torch.Tensor  # [B, 1, N, span] bool, True = attend
+    span: int  # columns attention reads: max_b (start_b + N_b)
 
 
 class Engine:
-    """Lossless speculative decoding of ``target`` with a DFlash ``drafter``."""
+    """Lossless speculative decoding of ``target`` with a DFlash ``drafter``, for a batch of requests."""
 
     def __init__(
         self,
@@ -150,20 +200,41 @@ class Engine:
         drafter: DFlashDrafter | None = None,
         tokenizer=None,
         method: str = "ddtree",
-        budget: int = 64,
+        budget: int = 16,
         topk: int | None = None,
         draft_dtype: torch.dtype | None = None,
+        max_batch_size: int = 16,
+        max_model_len: int | None = None,
+        max_prefill_tokens: int = 512,
+        accept_threshold_single: float = 1.0,
+        accept_threshold_acc: float = 1.0,
     ) -> None:
         self.target = target.eval()
         self.tokenizer = tokenizer
         if drafter is not None:
             check_pair(target, drafter)
         self.method, self.budget, self.topk = check_engine_options(method, budget, topk, drafter is not None)
+        self.accept_threshold_single, self.accept_threshold_acc = check_accept_thresholds(
+            accept_threshold_single, accept_threshold_acc
+        )
+        context = int(getattr(target.config, "max_position_embeddings", 1 << 30))
+        for name, value in (("max_batch_size", max_batch_size), ("max_prefill_tokens", max_prefill_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DDTreeError(f"{name} must be an integer >= 1, got {value!r}")
+        if max_model_len is not None and (
+            isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not 2 <= max_model_len
+        ):
+            raise DDTreeError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        if max_model_len is not None and max_model_len > context:
+            raise DDTreeError(f"max_model_len {max_model_len} exceeds the target's context of {context} tokens")
+        self.max_model_len = max_model_len or context
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
         self.device = next(target.parameters()).device
         self.dtype = next(target.parameters()).dtype
         self.embed = target.get_input_embeddings()
-        self.decoder = target.get_decoder()  # the transformer without its LM head: logits = lm_head(hidden)
         self.lm_head = target.get_output_embeddings()
+        self.forward = TargetForward(target)
         # The drafter only proposes tokens, so rounding in its matmuls cannot change what is emitted. Its
         # LM head (a copy of the target's) and its MLPs, the largest matmuls of a draft pass, run in
         # `draft_dtype`: bf16 reads half the bytes and runs natively where supported (attention and norms
@@ -175,42 +246,173 @@ class Engine:
         )
         self.drafter = None if drafter is None else _with_mlp_dtype(drafter.eval(), draft_dtype)
         self.eos_token_ids = eos_token_ids(target, tokenizer)
-        self.max_positions = int(getattr(target.config, "max_position_embeddings", 1 << 30))
+        # Fixed caches, sized once: a row per running request, the whole context per row.
+        self.cache = self.forward.new_cache(max_batch_size, self.max_model_len)
+        self.draft_cache = None
+        if self.drafter is not None:
+            attn = self.drafter.layers[0].self_attn
+            self.draft_cache = type(self.cache)(
+                len(self.drafter.layers),
+                max_batch_size,
+                attn.num_kv_heads,
+                attn.head_dim,
+                self.max_model_len + self.drafter.block_size,  # the block sits after the context
+                next(attn.parameters()).dtype,
+                self.device,
+            )
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # index = target cache row
+        self._drafting: list[Request] = []  # index = drafter cache row
+        self._ids = itertools.count()
+
+    @property
+    def max_positions(self) -> int:
+        """The most tokens (prompt + new) one request may hold."""
+        return self.max_model_len
 
     @classmethod
     def from_pretrained(
         cls,
-        target_dir: str | Path,
+        target_dir: str | Path | None = None,
         drafter_dir: str | Path | None = None,
         method: str = "ddtree",
-        budget: int = 64,
+        budget: int = 16,
         topk: int | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        **engine_options,
     ) -> Engine:
+        """Load a target (and drafter) from local directories; with neither, the built-in pair."""
+        if target_dir is None and drafter_dir is None:
+            target_dir, drafter_dir = DEFAULT_TARGET, DEFAULT_DRAFTER
         check_engine_options(method, budget, topk, drafter_dir is not None)  # fail before loading weights
         target, tokenizer = load_target(target_dir, device=device, dtype=dtype)
         drafter = (
             load_drafter(drafter_dir).to(device=device, dtype=dtype) if drafter_dir is not None else None
         )
-        return cls(target, drafter, tokenizer, method=method, budget=budget, topk=topk)
+        return cls(target, drafter, tokenizer, method=method, budget=budget, topk=topk, **engine_options)
 
-    # -- public API -------------------------------------------------------------------------------------
+    # -- request-level API -------------------------------------------------------------------------------
 
-    def generate(
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def add_request(
         self,
         prompt: str | list[int],
         params: SamplingParams | None = None,
+        *,
         method: str | None = None,
         budget: int | None = None,
         topk: int | None = None,
-    ) -> GenerationResult:
-        token_ids, text, logprobs = [], "", []
-        for delta in self.stream(prompt, params, method=method, budget=budget, topk=topk):
-            token_ids += delta.token_ids
-            text += delta.text
-            logprobs += delta.logprobs
-        return GenerationResult(token_ids, text, delta.finish_reason, delta.stats, logprobs)
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; it starts (prefill) at a coming ``step``. Bad input raises ``DDTreeError`` here,
+        before anything runs, and leaves the other requests alone."""
+        params = params or SamplingParams()
+        method, budget, topk = check_engine_options(
+            method or self.method,
+            self.budget if budget is None else budget,
+            self.topk if topk is None else topk,
+            self.drafter is not None,
+        )
+        prompt_ids = self.encode(prompt)
+        if len(prompt_ids) + params.max_new_tokens > self.max_model_len:
+            raise DDTreeError(
+                f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
+                f"exceeds the context of {self.max_model_len} tokens (max_model_len)"
+            )
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if any(r.request_id == request_id for r in itertools.chain(self._waiting, self._running)):
+            raise DDTreeError(f"request_id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else random.SystemRandom().randrange(1 << 62)
+        self._waiting.append(
+            Request(
+                request_id=request_id,
+                prompt_ids=prompt_ids,
+                params=params,
+                method=method,
+                budget=budget,
+                topk=topk,
+                output=OutputState(params, self.eos_token_ids, self.tokenizer),
+                stats=GenerationStats(
+                    method=method,
+                    budget=budget if method == "ddtree" else 0,
+                    prompt_tokens=len(prompt_ids),
+                    accept_thresholds=(self.accept_threshold_single, self.accept_threshold_acc),
+                ),
+                generator=torch.Generator(device=self.device).manual_seed(seed),
+            )
+        )
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a waiting or running request (its row is free for the next step); False if unknown."""
+        for r in self._waiting:
+            if r.request_id == request_id:
+                self._waiting.remove(r)
+                return True
+        for r in self._running:
+            if r.request_id == request_id:
+                self._release(r)
+                return True
+        return False
+
+    def step(self) -> list[StreamDelta]:
+        """One round for every running request, then admit waiting ones (one batched prefill).
+
+        Returns one delta per request that changed; the last delta of a request carries its finish_reason.
+        """
+        with torch.inference_mode():
+            deltas = self._round() if self._running else []
+            deltas += self._admit()
+        return deltas
+
+    def generate(
+        self,
+        prompt: str | list[int] | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        method: str | None = None,
+        budget: int | None = None,
+        topk: int | None = None,
+    ) -> GenerationResult | list[GenerationResult]:
+        """One prompt -> one result; a list of prompts -> results in input order, decoded as one
+        continuously batched run (``params`` may be one for all or one per prompt)."""
+        single = isinstance(prompt, str) or not prompt or not isinstance(prompt[0], (str, list, tuple))
+        prompts = [prompt] if single else list(prompt)
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise DDTreeError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+            all_params = list(params)
+        else:
+            all_params = [params] * len(prompts)
+        self._check_idle()
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, all_params, strict=True):
+                ids.append(self.add_request(p, sp, method=method, budget=budget, topk=topk))
+        except DDTreeError:
+            for request_id in ids:
+                self.abort(request_id)
+            raise
+        results = {request_id: GenerationResult([], "", "", None, [], request_id) for request_id in ids}
+        while self.has_unfinished_requests():
+            for delta in self.step():
+                result = results[delta.request_id]
+                result.token_ids += delta.token_ids
+                result.text += delta.text
+                result.logprobs += delta.logprobs
+                result.finish_reason, result.stats = delta.finish_reason, delta.stats
+        out = [results[request_id] for request_id in ids]
+        return out[0] if single else out
 
     def stream(
         self,
@@ -220,22 +422,13 @@ class Engine:
         budget: int | None = None,
         topk: int | None = None,
     ) -> Iterator[StreamDelta]:
-        """Yield one delta per round until the request finishes (the last one carries finish_reason)."""
-        params = params or SamplingParams()
-        method, budget, topk = check_engine_options(
-            method or self.method,
-            self.budget if budget is None else budget,
-            self.topk if topk is None else topk,
-            self.drafter is not None,
-        )
-        prompt_ids = self.encode(prompt)
-        if len(prompt_ids) + params.max_new_tokens > self.max_positions:
-            raise DDTreeError(
-                f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
-                f"exceeds the model's context of {self.max_positions} tokens"
-            )
-        output = OutputState(params, self.eos_token_ids, self.tokenizer)
-        return self._stream(prompt_ids, params, method, budget, topk, output)
+        """Yield one delta per step until the request finishes (the last one carries finish_reason).
+
+        Bad input raises here, not at the first ``next``. Closing the iterator early aborts the request.
+        """
+        self._check_idle()
+        request_id = self.add_request(prompt, params, method=method, budget=budget, topk=topk)
+        return self._follow(request_id)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -251,196 +444,334 @@ class Engine:
             raise DDTreeError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
-    # -- the loop ---------------------------------------------------------------------------------------
+    def _check_idle(self) -> None:
+        if self.has_unfinished_requests():
+            raise DDTreeError(
+                "generate/stream drive the engine themselves; with requests already in flight, "
+                "use add_request and step"
+            )
 
-    @torch.inference_mode()
-    def _stream(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        method: str,
-        budget: int,
-        topk: int | None,
-        output: OutputState,
-    ) -> Iterator[StreamDelta]:
-        stats = GenerationStats(method=method, budget=budget if method == "ddtree" else 0)
-        stats.prompt_tokens = len(prompt_ids)
-        seed = params.seed if params.seed is not None else random.SystemRandom().randrange(1 << 62)
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        use_drafter = method != "ar"
-        emitted_text = ""
+    def _follow(self, request_id: str) -> Iterator[StreamDelta]:
+        done = False
+        try:
+            while not done:
+                for delta in self.step():
+                    done = delta.finish_reason is not None
+                    yield delta
+        finally:
+            if not done:
+                self.abort(request_id)
 
+    # -- admission ---------------------------------------------------------------------------------------
+
+    def _admit(self) -> list[StreamDelta]:
+        """Prefill waiting requests (FIFO) into free rows, as one padded forward of at most
+        ``max(max_prefill_tokens, the first prompt)`` tokens, so running requests wait for at most one
+        such forward per step."""
+        batch: list[Request] = []
+        while self._waiting and len(self._running) + len(batch) < self.max_batch_size:
+            longest = max([len(r.prompt_ids) for r in batch] + [len(self._waiting[0].prompt_ids)])
+            if batch and longest * (len(batch) + 1) > self.max_prefill_tokens:
+                break
+            batch.append(self._waiting.popleft())
+        return self._prefill(batch) if batch else []
+
+    def _prefill(self, batch: list[Request]) -> list[StreamDelta]:
         t0 = self._now()
-        ids = torch.tensor([prompt_ids], device=self.device)  # [1, P]
-        cache = new_kv_cache(self.target.config)
-        hidden, features = self._target_forward(ids, None, None, cache, use_drafter)
-        logits = self.lm_head(hidden[0, -1:])  # [1, V]
-        root = self._pick(logits[0], params, generator)
-        want_logprobs = params.logprobs is not None
-        state = _Decode(
-            cache,
-            self.drafter.new_cache() if use_drafter else None,
-            len(prompt_ids),
-            root,
-            features,
-            generator,
+        b, first_row = len(batch), len(self._running)
+        lengths = torch.tensor([len(r.prompt_ids) for r in batch], device=self.device)  # [B]
+        p = int(lengths.max())
+        ids = torch.zeros(b, p, dtype=torch.int64, device=self.device)  # [B, P] right-padded
+        for i, r in enumerate(batch):
+            ids[i, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids, device=self.device)
+        cols = torch.arange(p, device=self.device).expand(b, p)  # [B, P]
+        real = cols < lengths[:, None]  # [B, P]
+        causal = cols[0][None, :, None] >= cols[0][None, None, :]  # [1, P, P] query i sees key j <= i
+        mask = (causal & real[:, None, :])[:, None]  # [B, 1, P, P]
+        write = self.cache.at(
+            slice(first_row, first_row + b), torch.where(real, cols, self.cache.scratch), span=p
         )
-        output.write([root], token_logprobs(logits, [root], params.logprobs) if want_logprobs else None)
-        stats.prefill_seconds = self._now() - t0
-        delta = self._delta(output, 0, stats, emitted_text)
-        emitted_text += delta.text  # the text streamed so far, without decoding it a second time
-        yield delta
+        drafting = any(r.drafts for r in batch)
+        feature_layers = self.drafter.target_layer_ids if drafting else None
+        hidden, features = self.forward(ids, cols, write, mask, feature_layers)  # [B, P, H], [B, P, F * H]
+        logits = self.lm_head(hidden[torch.arange(b, device=self.device), lengths - 1])  # [B, V]
+        roots = self._pick(logits, batch)
+        deltas = []
+        seconds = self._now() - t0
+        for i, (r, root) in enumerate(zip(batch, roots, strict=True)):
+            r.row, r.start, r.root = first_row + i, len(r.prompt_ids), root
+            self._running.append(r)
+            if r.drafts:
+                r.draft_row, r.draft_len = len(self._drafting), 0
+                r.features = features[i, : r.start]  # [P_i, F * H]
+                self._drafting.append(r)
+            want = r.params.logprobs is not None
+            r.output.write([root], token_logprobs(logits[i : i + 1], [root], r.params.logprobs) if want else None)
+            r.stats.prefill_seconds = seconds
+            deltas.append(self._delta(r, 0))
+        for r in batch:
+            if r.output.finish_reason is not None:
+                self._release(r)
+        return deltas
 
-        while output.finish_reason is None:
-            t_round = self._now()
-            before = len(output.token_ids)
-            nodes, tokens, hidden = self._round(state, params, method, budget, topk, stats)
-            with self._stage(stats, "commit"):
-                logprobs = None
-                if want_logprobs:
-                    logprobs = token_logprobs(self.lm_head(hidden[nodes]), tokens, params.logprobs)
-                taken = output.write(tokens, logprobs)
-                self._commit(state, nodes, tokens)
-            stats.acceptance_lengths.append(len(tokens))
-            stats.decode_seconds += self._now() - t_round
-            stats.decode_tokens += taken
-            delta = self._delta(output, before, stats, emitted_text)
-            emitted_text += delta.text
-            yield delta
+    def _pick(self, logits: torch.Tensor, batch: list[Request]) -> list[int]:
+        """The first token of each request, straight from the prefill logits [B, V]."""
+        roots = logits.argmax(dim=-1).tolist()
+        sampled = [i for i, r in enumerate(batch) if not r.params.greedy]
+        if sampled:
+            probs = filtered_probs(
+                logits[sampled][:, None], SamplingTensors.from_params([batch[i].params for i in sampled])
+            )  # [S, 1, V]
+            coins = torch.stack([torch.rand((), generator=batch[i].generator) for i in sampled])  # [S]
+            trees = [DraftTree.root_only(0)] * len(sampled)
+            drawn = sample_trees(trees, [None] * len(sampled), probs, [c[None] for c in coins], coins)
+            for i, (_, tokens) in zip(sampled, drawn, strict=True):
+                roots[i] = tokens[0]
+        return roots
 
-    def _round(
-        self,
-        state: _Decode,
-        params: SamplingParams,
-        method: str,
-        budget: int,
-        topk: int | None,
-        stats: GenerationStats,
-    ) -> tuple[list[int], list[int], torch.Tensor]:
-        """Draft, build the tree, verify it in one target forward and derive the accepted path.
+    def _release(self, r: Request) -> None:
+        """Free a request's rows, keeping the running rows contiguous: the last row moves into the gap."""
+        last = self._running.pop()
+        if last is not r:
+            self.cache.copy_row(last.row, r.row, last.start)
+            last.row = r.row
+            self._running[r.row] = last
+        if r.drafts:
+            last = self._drafting.pop()
+            if last is not r:
+                self.draft_cache.copy_row(last.draft_row, r.draft_row, last.draft_len)
+                last.draft_row = r.draft_row
+                self._drafting[r.draft_row] = last
+        r.row = r.draft_row = -1
+        r.features = None
 
-        Returns the accepted nodes (root first), the emitted tokens (bonus last) and the target's final
-        hidden states of the tree [N, H]: ``lm_head`` of row ``nodes[i]`` gives the distribution of
-        ``tokens[i]``.
-        """
-        if method == "ar":
-            tree = DraftTree.root_only(state.root)
-        else:
-            with self._stage(stats, "draft"):
-                # A tree of `budget` nodes is at most `budget` deep: deeper rows would never be read.
-                depth = self.drafter.block_size - 1 if method == "dflash" else budget
-                draft_logits = self._draft(state, depth)  # [min(depth, block_size - 1), V]
-            with self._stage(stats, "tree"):
-                if method == "dflash":
-                    tree = build_ddtree_tree(
-                        draft_logits, draft_logits.shape[0], topk=1, root_token=state.root
-                    )
-                else:
-                    tree = build_ddtree_tree(draft_logits, budget, topk=topk, root_token=state.root)
-        with self._stage(stats, "compile"):
-            ids, positions, mask = tree_verify_inputs(tree, state.start, self.device, self.dtype)
-            retrieve = None if params.greedy else compile_ddtree_retrieve(tree.parents, tree.logw)
-        with self._stage(stats, "verify"):
-            hidden, features = self._target_forward(ids, positions, mask, state.cache, method != "ar")
-            state.features = features
-            hidden = hidden[0]  # [N, H]
+    # -- the round ---------------------------------------------------------------------------------------
+
+    def _round(self) -> list[StreamDelta]:
+        """Draft, build every row's tree, verify all trees in one target forward, accept, commit."""
+        t_round = self._now()
+        rows = list(self._running)  # in cache-row order
+        seconds = dict.fromkeys(STAGES, 0.0)
+        with self._stage(seconds, "draft"):
+            draft_logits = self._draft() if self._drafting else {}
+        with self._stage(seconds, "tree"):
+            trees = [self._tree(r, draft_logits.get(r.request_id)) for r in rows]
+        with self._stage(seconds, "compile"):
+            batch = self._verify_inputs(rows, trees)
+            sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+            retrieves = {i: compile_ddtree_retrieve(trees[i].parents, trees[i].logw) for i in sampled}
+        with self._stage(seconds, "verify"):
+            write = self.cache.at(slice(0, len(rows)), batch.cols, batch.span)
+            feature_layers = self.drafter.target_layer_ids if self._drafting else None
+            hidden, features = self.forward(batch.ids, batch.positions, write, batch.mask, feature_layers)
             # The LM head closes the target forward. Sampling reads every node's distribution; the greedy
             # walk reads only the nodes it accepts.
-            head = self._greedy_head(tree, hidden) if params.greedy else self.lm_head(hidden)  # [N, V]
-        with self._stage(stats, "accept"):
-            if params.greedy:
-                return *follow_verified_tree(tree, head), hidden
-            probs = target_probs_from_logits(head, params)  # [N, V]
-            coins = torch.rand(tree.num_nodes, generator=state.generator, device=self.device)
-            final_coin = torch.rand((), generator=state.generator, device=self.device)
-            return *sample_tree(tree, retrieve, probs, coins, final_coin), hidden
+            greedy_heads = self._greedy_heads(rows, trees, hidden)
+            probs = None
+            if sampled:
+                logits = self.lm_head(hidden[sampled])  # [S, N, V]
+                probs = filtered_probs(logits, SamplingTensors.from_params([rows[i].params for i in sampled]))
+        with self._stage(seconds, "accept"):
+            verdicts = self._accept(rows, trees, greedy_heads, sampled, retrieves, probs)
+        with self._stage(seconds, "commit"):
+            deltas = self._commit(rows, verdicts, hidden, features)
+        elapsed = self._now() - t_round
+        for r in rows:
+            for name, value in seconds.items():
+                r.stats.stage_seconds[name] += value
+            r.stats.decode_seconds += elapsed
+        return deltas
 
-    def _greedy_head(self, tree: DraftTree, hidden: torch.Tensor) -> Callable[[int], int]:
-        """The target's argmax at node i, from the tree's final hidden states [N, H].
+    def _draft(self) -> dict[str, torch.Tensor]:
+        """One drafter pass over every drafting row's [root, MASK x (block_size - 1)]; returns each row's
+        draft logits [depth, V] (depth as deep as its tree can grow)."""
+        rows = self._drafting
+        b, bs = len(rows), self.drafter.block_size
+        device, scratch = self.device, self.draft_cache.scratch
+        c = max(r.features.shape[0] for r in rows)
+        features = torch.zeros(b, c, rows[0].features.shape[1], dtype=rows[0].features.dtype, device=device)
+        num_ctx = torch.tensor([r.features.shape[0] for r in rows], device=device)  # [B]
+        draft_len = torch.tensor([r.draft_len for r in rows], device=device)  # [B]
+        for i, r in enumerate(rows):
+            features[i, : r.features.shape[0]] = r.features  # [B, C, F * H], right-padded
+        j = torch.arange(c, device=device)[None]  # [1, C]
+        ctx_positions = torch.where(j < num_ctx[:, None], draft_len[:, None] + j, 0)  # [B, C]
+        ctx_cols = torch.where(j < num_ctx[:, None], draft_len[:, None] + j, scratch)  # [B, C]
+        # The block goes right after the row's whole context, which ends at the root's position.
+        starts = draft_len + num_ctx  # [B] == each row's `start`
+        block_cols = starts[:, None] + torch.arange(bs, device=device)[None]  # [B, S]
+        ends = starts + bs  # [B]
+        span = int(ends.max())
+        mask = (torch.arange(span, device=device)[None] < ends[:, None])[:, None, None]  # [B, 1, 1, span]
+        block = torch.full((b, bs), self.drafter.mask_token_id, device=device)
+        block[:, 0] = torch.tensor([r.root for r in rows], device=device)
+        write = self.draft_cache.at(slice(0, b), torch.cat((ctx_cols, block_cols), dim=1), span)
+        hidden = self.drafter(self.embed(block), features, block_cols, ctx_positions, write, mask)  # [B, S, H]
+        depths = [self._draft_depth(r) for r in rows]
+        hidden = hidden[:, 1 : 1 + max(depths)].to(self.draft_head.dtype)  # [B, depth, H]
+        logits = F.linear(hidden, self.draft_head, self.draft_head_bias).float()  # [B, depth, V]
+        out = {}
+        for i, r in enumerate(rows):
+            r.draft_len, r.features = r.start, None
+            out[r.request_id] = logits[i, : depths[i]]
+        return out
 
-        On an accelerator one head over all N rows is one kernel and one transfer. On the CPU the head's
-        cost grows with its rows, and the walk usually accepts along the first-child chain (the drafter's
-        top token at each depth): those rows go through the head together, and a node off the chain gets
-        its row when the walk reaches it (counted in the accept stage).
-        """
-        if self.device.type != "cpu":
-            return self.lm_head(hidden).argmax(dim=-1).tolist().__getitem__
-        chain = first_child_chain(tree)
-        known = dict(zip(chain, self.lm_head(hidden[chain]).argmax(dim=-1).tolist(), strict=True))
+    def _room(self, r: Request) -> int:
+        """Tree nodes row r can still hold: its cache columns from ``start`` to the capacity."""
+        return self.max_model_len - r.start
 
-        def target_token(i: int) -> int:
-            if i not in known:
-                known[i] = int(self.lm_head(hidden[i : i + 1]).argmax())
-            return known[i]
+    def _draft_depth(self, r: Request) -> int:
+        # A tree of `budget` nodes is at most `budget` deep: deeper rows would never be read.
+        depth = self.drafter.block_size - 1 if r.method == "dflash" else min(r.budget, self.drafter.block_size - 1)
+        return max(1, min(depth, self._room(r) - 1))
 
-        return target_token
+    def _tree(self, r: Request, draft_logits: torch.Tensor | None) -> DraftTree:
+        """Row r's tree: the root alone (``ar``), the argmax chain (``dflash``) or the best-first tree."""
+        room = self._room(r) - 1  # drafted nodes that still fit in the row (a tree never changes the output)
+        if draft_logits is None or room < 1:
+            return DraftTree.root_only(r.root)
+        if r.method == "dflash":
+            return build_ddtree_tree(draft_logits, min(draft_logits.shape[0], room), topk=1, root_token=r.root)
+        return build_ddtree_tree(draft_logits, min(r.budget, room), topk=r.topk, root_token=r.root)
 
-    def _draft(self, state: _Decode, depth: int) -> torch.Tensor:
-        """One drafter pass over [root, MASK x (block_size - 1)]; logits of its first ``depth`` drafts."""
-        cache = state.draft_cache
-        bs = self.drafter.block_size
-        block = torch.full((1, bs), self.drafter.mask_token_id, device=self.device)
-        block[0, 0] = state.root
-        ctx_len = state.features.shape[1]
-        ctx_start = cache.length
-        hidden = self.drafter(
-            self.embed(block),
-            state.features,
-            block_positions=torch.arange(state.start, state.start + bs, device=self.device)[None],
-            ctx_positions=torch.arange(ctx_start, ctx_start + ctx_len, device=self.device)[None],
-            cache=cache,
-        )  # [1, bs, H]
-        state.features = None
-        hidden = hidden[0, 1 : 1 + depth].to(self.draft_head.dtype)  # [min(depth, bs - 1), H]
-        return F.linear(hidden, self.draft_head, self.draft_head_bias).float()
-
-    def _commit(self, state: _Decode, nodes: list[int], tokens: list[int]) -> None:
-        num_nodes = state.cache.get_seq_length() - state.start
-        compact_kv_cache(state.cache, state.start, num_nodes, nodes)
-        if state.features is not None:  # [1, N, F * H] -> [1, m, F * H]; a first-child chain needs no gather
-            if nodes[-1] == len(nodes) - 1:
-                state.features = state.features[:, : len(nodes)]
-            else:
-                state.features = state.features.index_select(1, torch.tensor(nodes, device=self.device))
-        state.start += len(nodes)
-        state.root = tokens[-1]
-
-    def _target_forward(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor | None,
-        mask: torch.Tensor | None,
-        cache: DynamicCache,
-        need_features: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Final hidden states [1, T, H] (before the LM head) and the drafter's features of the T tokens."""
-        out = self.decoder(
-            input_ids=ids,
-            position_ids=positions,
-            attention_mask=mask,
-            cache=cache,
-            use_cache=True,
-            output_hidden_states=need_features,
+    def _verify_inputs(self, rows: list[Request], trees: list[DraftTree]) -> VerifyBatch:
+        sizes = [t.num_nodes for t in trees]
+        b, n = len(rows), max(sizes)
+        starts = np.array([r.start for r in rows])  # [B]
+        span = int(max(s + m for s, m in zip(starts, sizes, strict=True)))
+        ids = np.zeros((b, n), dtype=np.int64)
+        positions = np.repeat(starts[:, None], n, axis=1)  # [B, N]; padding sits at the root's position
+        cols = np.full((b, n), self.cache.scratch, dtype=np.int64)  # [B, N]
+        visible = np.arange(span)[None, None, :] < starts[:, None, None]  # [B, 1, span] committed columns
+        visible = np.repeat(visible, n, axis=1)  # [B, N, span]
+        for i, (tree, start, m) in enumerate(zip(trees, starts, sizes, strict=True)):
+            tree_ids, tree_positions, anc = tree_verify_inputs(tree, int(start))  # [m], [m], [m, m]
+            ids[i, :m], positions[i, :m] = tree_ids, tree_positions
+            cols[i, :m] = np.arange(start, start + m)
+            visible[i, :m, start : start + m] = anc
+        device = self.device
+        return VerifyBatch(
+            ids=torch.from_numpy(ids).to(device),
+            positions=torch.from_numpy(positions).to(device),
+            cols=torch.from_numpy(cols).to(device),
+            mask=torch.from_numpy(visible).to(device)[:, None],
+            span=span,
         )
-        features = self.drafter.select_features(out.hidden_states) if need_features else None
-        return out.last_hidden_state, features
 
-    def _pick(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-        """The first token, straight from the prefill logits [V]."""
-        if params.greedy:
-            return int(logits.argmax())
-        coin = torch.rand((), generator=generator, device=self.device)
-        return sample_from_probs(target_probs_from_logits(logits, params), coin)
+    def _greedy_heads(
+        self, rows: list[Request], trees: list[DraftTree], hidden: torch.Tensor
+    ) -> dict[int, Callable[[int], int]]:
+        """For each greedy row i, the target's argmax at its node j, from the final hidden states [B, N, H].
 
-    def _delta(self, output: OutputState, before: int, stats: GenerationStats, emitted: str) -> StreamDelta:
-        """What the output gained since it held ``before`` tokens and ``emitted`` text."""
-        text = output.stable_text()
+        On an accelerator one head over all greedy rows is one kernel and one transfer. On the CPU the head's
+        cost grows with its rows, and the walk usually accepts along the first-child chain (the drafter's
+        top token at each depth): those rows of every greedy tree go through the head together, and a node
+        off the chain gets its row when the walk reaches it (counted in the accept stage).
+        """
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        if not greedy:
+            return {}
+        if self.device.type != "cpu":
+            argmax = self.lm_head(hidden[greedy]).argmax(dim=-1).tolist()  # [G, N]
+            return {i: argmax[k].__getitem__ for k, i in enumerate(greedy)}
+        chains = {i: first_child_chain(trees[i]) for i in greedy}
+        row_idx = torch.tensor([i for i in greedy for _ in chains[i]], device=self.device)
+        node_idx = torch.tensor([j for i in greedy for j in chains[i]], device=self.device)
+        argmax = iter(self.lm_head(hidden[row_idx, node_idx]).argmax(dim=-1).tolist())
+        heads = {}
+        for i in greedy:
+            known = {j: next(argmax) for j in chains[i]}
+
+            def target_token(j: int, known: dict[int, int] = known, i: int = i) -> int:
+                if j not in known:
+                    known[j] = int(self.lm_head(hidden[i, j : j + 1]).argmax())
+                return known[j]
+
+            heads[i] = target_token
+        return heads
+
+    def _accept(
+        self,
+        rows: list[Request],
+        trees: list[DraftTree],
+        greedy_heads: dict[int, Callable[[int], int]],
+        sampled: list[int],
+        retrieves: dict,
+        probs: torch.Tensor | None,
+    ) -> list[tuple[list[int], list[int]]]:
+        """Per row: (accepted nodes, root first; emitted tokens, bonus last)."""
+        verdicts: list = [None] * len(rows)
+        for i, head in greedy_heads.items():
+            verdicts[i] = follow_verified_tree(trees[i], head)
+        if sampled:
+            # Each row draws from its own generator, in the same order alone or in a batch.
+            coins, finals = [], []
+            for i in sampled:
+                coins.append(torch.rand(trees[i].num_nodes, generator=rows[i].generator, device=self.device))
+                finals.append(torch.rand((), generator=rows[i].generator, device=self.device))
+            drawn = sample_trees(
+                [trees[i] for i in sampled],
+                [retrieves[i] for i in sampled],
+                probs,
+                coins,
+                torch.stack(finals),
+                threshold_single=self.accept_threshold_single,
+                threshold_acc=self.accept_threshold_acc,
+            )
+            for i, verdict in zip(sampled, drawn, strict=True):
+                verdicts[i] = verdict
+        return verdicts
+
+    def _commit(
+        self,
+        rows: list[Request],
+        verdicts: list[tuple[list[int], list[int]]],
+        hidden: torch.Tensor,
+        features: torch.Tensor | None,
+    ) -> list[StreamDelta]:
+        """Write each row's tokens, pack its accepted nodes' keys/values after its committed tokens (one
+        batched gather for all rows that left the first-child chain) and keep their drafter features."""
+        moved_rows, moved_src = [], []
+        deltas = []
+        for i, (r, (nodes, tokens)) in enumerate(zip(rows, verdicts, strict=True)):
+            logprobs = None
+            if r.params.logprobs is not None:
+                logprobs = token_logprobs(self.lm_head(hidden[i, nodes]), tokens, r.params.logprobs)
+            before = len(r.output.token_ids)
+            taken = r.output.write(tokens, logprobs)
+            m = len(nodes)
+            if nodes[-1] != m - 1:  # a path off the first-child chain: its slots are scattered
+                moved_rows.append(i)
+                moved_src.append([r.start + j for j in nodes])
+            if r.drafts:  # [N, F * H] -> [m, F * H]; a first-child chain needs no gather
+                r.features = features[i, :m] if nodes[-1] == m - 1 else features[i, nodes]
+            r.start += m
+            r.root = tokens[-1]
+            r.stats.acceptance_lengths.append(len(tokens))
+            r.stats.decode_tokens += taken
+            deltas.append(self._delta(r, before))
+        if moved_rows:
+            width = max(len(s) for s in moved_src)
+            scratch = self.cache.scratch
+            src = [s + [scratch] * (width - len(s)) for s in moved_src]
+            dst = [list(range(s[0], s[0] + len(s))) + [scratch] * (width - len(s)) for s in moved_src]
+            self.cache.move_cols(*(torch.tensor(x, device=self.device) for x in (moved_rows, src, dst)))
+        for r in rows:
+            if r.output.finish_reason is not None:
+                self._release(r)
+        return deltas
+
+    def _delta(self, r: Request, before: int) -> StreamDelta:
+        """What request r's output gained since it held ``before`` tokens."""
+        text = r.output.stable_text()[len(r.emitted_text) :]
+        r.emitted_text += text  # the text streamed so far, without decoding it a second time
         return StreamDelta(
-            token_ids=output.token_ids[before:],
-            text=text[len(emitted) :],
-            finish_reason=output.finish_reason,
-            stats=stats,
-            logprobs=output.logprobs[before:],
+            request_id=r.request_id,
+            token_ids=r.output.token_ids[before:],
+            text=text,
+            finish_reason=r.output.finish_reason,
+            stats=r.stats,
+            logprobs=r.output.logprobs[before:],
         )
 
     # -- timing -----------------------------------------------------------------------------------------
@@ -451,7 +782,10 @@ class Engine:
         return time.perf_counter()
 
     @contextmanager
-    def _stage(self, stats: GenerationStats, name: str):
+    def _stage(self, seconds: dict[str, float], name: str):
         t = self._now()
         yield
-        stats.stage_seconds[name] += self._now() - t
+        seconds[name] += self._now() - t
+
+
+__all__ = ["METHODS", "STAGES", "Engine", "GenerationResult", "GenerationStats", "Request", "StreamDelta"]

@@ -67,3 +67,23 @@ def _is_number(value: object) -> bool:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+METHODS = ("ddtree", "dflash", "ar")
+
+
+def check_speculative_options(method: str, budget: int, topk: int | None) -> tuple[str, int, int | None]:
+    if method not in METHODS:
+        raise DDTreeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if not _is_int(budget) or budget < 1:
+        raise DDTreeError(f"budget must be an integer >= 1, got {budget!r}")
+    if topk is not None and (not _is_int(topk) or topk < 1):
+        raise DDTreeError(f"topk must be an integer >= 1, got {topk!r}")
+    return method, budget, topk
+
+
+def check_accept_thresholds(single: float, acc: float) -> tuple[float, float]:
+    for name, value in (("accept_threshold_single", single), ("accept_threshold_acc", acc)):
+        if not _is_number(value) or not 0.0 <= value <= 1.0:
+            raise DDTreeError(f"{name} must be in [0, 1], got {value!r}")
+    return float(single), float(acc)

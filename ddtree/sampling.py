@@ -10,6 +10,7 @@ target with the rejected tokens removed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,30 +23,69 @@ if TYPE_CHECKING:
     from ddtree.tree import DraftTree, TreeRetrieve
 
 
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters as [B] tensors (SGLang's ``SamplingBatchInfo``): one filter pass serves a
+    batch whose requests each asked for their own temperature / top-k / top-p / min-p."""
+
+    temperature: torch.Tensor  # [B] float32, > 0
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    top_p: torch.Tensor  # [B] float64 (1 - top_p is taken in double, as HF does), 1.0 = off
+    min_p: torch.Tensor  # [B] float32, 0.0 = off
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> SamplingTensors:
+        if any(p.greedy for p in params):
+            raise ValueError("sampling tensors need temperature > 0; greedy decoding takes the argmax")
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+        )
+
+
 def target_probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution the user asked for, as float32 probabilities over the last dim.
+    """The distribution one request asked for, over the last dim of ``logits`` [..., V] (see ``filtered_probs``).
+
+    Greedy (temperature 0) has no distribution: take the argmax instead.
+    """
+    if params.greedy:
+        raise ValueError("target_probs_from_logits needs temperature > 0; greedy decoding takes the argmax")
+    sampling = SamplingTensors.from_params([params], logits.device)
+    return filtered_probs(logits.reshape(1, -1, logits.shape[-1]), sampling).reshape(logits.shape)
+
+
+def filtered_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
+    """Row b's distribution under row b's parameters: logits [B, N, V] -> float32 probabilities [B, N, V].
 
     Order (as HF generate): temperature, top-k, top-p, min-p, then renormalise. Each filter works on the
     logits left by the previous one, exactly as HF's Temperature/TopK/TopP/MinP logits warpers do, so
     ``do_sample=True`` in transformers and this target agree. Top-k keeps every token tied with the k-th
     largest logit; top-p drops the least likely tokens whose total mass is <= 1 - top_p (ties broken by
     vocab index, lower index dropped first) and always keeps the most likely one; min-p drops tokens with
-    prob < min_p * max prob. Greedy (temperature 0) has no distribution: take the argmax instead.
+    prob < min_p * max prob. A filter that is off for a row leaves that row alone, and every op works row by
+    row, so a request's distribution is the same alone or in any batch.
     """
-    if params.greedy:
-        raise ValueError("target_probs_from_logits needs temperature > 0; greedy decoding takes the argmax")
-    scores = logits.float() / params.temperature  # [..., V]
-    if params.top_k > 0:
-        kth = torch.topk(scores, min(params.top_k, scores.shape[-1]), dim=-1).values[..., -1:]  # [..., 1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1.0:
-        ascending, order = torch.sort(scores, dim=-1, stable=True)  # [..., V]
-        drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1.0 - params.top_p  # [..., V] in sorted order
+    scores = logits.float() / sampling.temperature[:, None, None]  # [B, N, V]
+    vocab = scores.shape[-1]
+    k = sampling.top_k.clamp(max=vocab)  # [B]
+    if bool((k > 0).any()):
+        top = torch.topk(scores, int(k.max()), dim=-1).values  # [B, N, kmax]
+        kth = top.gather(-1, (k - 1).clamp(min=0)[:, None, None].expand(-1, top.shape[1], 1))  # [B, N, 1]
+        scores = scores.masked_fill((scores < kth) & (k > 0)[:, None, None], float("-inf"))
+    on = sampling.top_p < 1.0  # [B]
+    if bool(on.any()):
+        ascending, order = torch.sort(scores, dim=-1, stable=True)  # [B, N, V]
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)  # [B, N, V] in sorted order
+        keep_mass = (1.0 - sampling.top_p).float()  # [B]
+        drop = (cumulative <= keep_mass[:, None, None]) & on[:, None, None]
         drop[..., -1] = False
         scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    if params.min_p > 0.0:
-        probs = scores.softmax(dim=-1)  # [..., V]
-        scores = scores.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    if bool((sampling.min_p > 0).any()):
+        probs = scores.softmax(dim=-1)  # [B, N, V]
+        floor = sampling.min_p[:, None, None] * probs.amax(dim=-1, keepdim=True)  # [B, N, 1]
+        scores = scores.masked_fill(probs < floor, float("-inf"))
     return scores.softmax(dim=-1)
 
 
@@ -197,41 +237,77 @@ def tree_speculative_sampling_target_only(
     accept_token_num.copy_(torch.tensor([len(path) - 1 for path in paths], dtype=torch.int32))
 
 
-def sample_tree(
-    tree: DraftTree,
-    retrieve: TreeRetrieve,
+def sample_trees(
+    trees: list[DraftTree],
+    retrieves: list[TreeRetrieve | None],
     target_probs: torch.Tensor,
-    coins: torch.Tensor,
-    final_coin: float | torch.Tensor,
-) -> tuple[list[int], list[int]]:
-    """Verify one tree by rejection sampling; returns (accepted nodes from root 0, emitted tokens).
+    coins: list[torch.Tensor],
+    final_coins: torch.Tensor,
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+) -> list[tuple[list[int], list[int]]]:
+    """Verify a batch of trees by rejection sampling, one kernel call for all rows.
 
-    target_probs [N, V] is the target distribution after each node; coins [N] the per-node coins. The
-    tokens are the accepted draft tokens then the bonus token, so ``len(tokens) == len(nodes)`` and node
-    ``nodes[i + 1]`` holds ``tokens[i]`` -- the same shape as the greedy walk.
+    Row b: ``trees[b]`` of N_b nodes, its target distributions ``target_probs[b, :N_b]`` (target_probs is
+    [B, N, V] with N >= every N_b; rows past N_b are padding and never read), its per-node coins
+    ``coins[b]`` [N_b] and its bonus coin ``final_coins[b]``. Returns per row (accepted nodes from root 0,
+    emitted tokens): the accepted draft tokens then the bonus token, so ``len(tokens) == len(nodes)`` and
+    node ``nodes[i + 1]`` holds ``tokens[i]`` -- the same shape as the greedy walk.
     """
-    n = tree.tokens.numel()
-    if n == 1:  # nothing drafted (plain decoding): the kernel would only draw the bonus from the root's row
-        return [0], [sample_from_probs(target_probs[0], final_coin)]
     device = target_probs.device
-    steps = int(tree.depths.max()) + 1
-    predicts = torch.zeros(n, dtype=torch.int32, device=device)
-    accept_index = torch.full((1, steps), -1, dtype=torch.int32, device=device)
-    accept_token_num = torch.zeros(1, dtype=torch.int32, device=device)
-    probs = target_probs.float()[None]  # [1, N, V]
+    bs, n, _ = target_probs.shape
+    final_coins = final_coins.float().to(device)
+    if all(tree.num_nodes == 1 for tree in trees):  # plain decoding: the kernel would only draw bonus tokens
+        bonus = _inverse_cdf(target_probs[:, 0].float(), final_coins).tolist()  # [B]
+        if min(bonus) < 0:
+            raise ValueError("probs has no positive mass")
+        return [([0], [token]) for token in bonus]
+    steps = max(int(tree.depths.max()) for tree in trees) + 1
+    candidates = torch.zeros(bs, n, dtype=torch.int64)
+    next_token = torch.full((bs, n), -1, dtype=torch.int64)  # padding nodes are nobody's children
+    next_sibling = torch.full((bs, n), -1, dtype=torch.int64)
+    uniform = torch.zeros(bs, n, dtype=torch.float32)
+    for b, (tree, retrieve) in enumerate(zip(trees, retrieves, strict=True)):
+        m = tree.num_nodes
+        candidates[b, :m] = tree.tokens
+        uniform[b, :m] = coins[b].float().cpu()
+        if retrieve is not None:  # None: a root-only tree, nothing to link
+            next_token[b, :m] = retrieve.next_token
+            next_sibling[b, :m] = retrieve.next_sibling
+    predicts = torch.zeros(bs * n, dtype=torch.int32, device=device)
+    accept_index = torch.full((bs, steps), -1, dtype=torch.int32, device=device)
+    accept_token_num = torch.zeros(bs, dtype=torch.int32, device=device)
+    probs = target_probs.float()  # [B, N, V]
     tree_speculative_sampling_target_only(
         predicts,
         accept_index,
         accept_token_num,
-        candidates=tree.tokens.to(device)[None],
-        retrive_index=torch.arange(n, device=device)[None],
-        retrive_next_token=retrieve.next_token.to(device)[None],
-        retrive_next_sibling=retrieve.next_sibling.to(device)[None],
-        uniform_samples=coins.float().to(device)[None],
-        uniform_samples_for_final_sampling=torch.as_tensor(final_coin, dtype=torch.float32).reshape(1),
+        candidates=candidates.to(device),
+        retrive_index=torch.arange(bs * n, device=device).view(bs, n),
+        retrive_next_token=next_token.to(device),
+        retrive_next_sibling=next_sibling.to(device),
+        uniform_samples=uniform.to(device),
+        uniform_samples_for_final_sampling=final_coins,
         target_probs=probs,
         draft_probs=torch.zeros_like(probs),
+        threshold_single=threshold_single,
+        threshold_acc=threshold_acc,
     )
-    nodes = [x for x in accept_index[0].tolist() if x >= 0]  # the accepted path fills a prefix
-    tokens = predicts.tolist()
-    return nodes, [tokens[x] for x in nodes]
+    tokens = predicts.view(bs, n).tolist()
+    results = []
+    for b, row in enumerate(accept_index.tolist()):
+        nodes = [x - b * n for x in row if x >= 0]  # the accepted path fills a prefix; slots are b * n + node
+        results.append((nodes, [tokens[b][x] for x in nodes]))
+    return results
+
+
+def sample_tree(
+    tree: DraftTree,
+    retrieve: TreeRetrieve | None,
+    target_probs: torch.Tensor,
+    coins: torch.Tensor,
+    final_coin: float | torch.Tensor,
+) -> tuple[list[int], list[int]]:
+    """``sample_trees`` for one tree: target_probs [N, V], coins [N]; returns (nodes, tokens)."""
+    final = torch.as_tensor(final_coin, dtype=torch.float32).reshape(1)
+    return sample_trees([tree], [retrieve], target_probs[None], [coins], final)[0]

@@ -1,8 +1,9 @@
 """Verification of a draft tree: the inputs of the ONE target forward, and the greedy walk of its result.
 
-The whole tree goes through the target as a flat sequence ``[root, node 1, ..., node n]``. Each node sits
-at position ``start + depth`` and attends to the committed context plus its own ancestors and itself, so
-its logits are exactly those the target would give after the prefix that ends at that node.
+The whole tree goes through the target as a flat sequence ``[root, node 1, ..., node n]`` (one row of the
+batch). Each node sits at position ``start + depth`` and attends to the committed context plus its own
+ancestors and itself, so its logits are exactly those the target would give after the prefix that ends at
+that node.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ import torch
 from ddtree.tree import DraftTree
 
 
-def ancestor_matrix(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-    """[N, N] bool on the CPU, entry (i, j) true iff node j is node i itself or one of its ancestors.
+def ancestor_matrix(parents: np.ndarray, depths: np.ndarray) -> np.ndarray:
+    """[N, N] bool, entry (i, j) true iff node j is node i itself or one of its ancestors.
 
     Built with numpy: the tree is small and lives on the host, where a numpy op costs a fraction of a
     torch op's dispatch.
     """
-    up = parents.cpu().numpy().clip(min=0)  # [N] the root is its own parent
+    up = parents.clip(min=0)  # [N] the root is its own parent
     n = up.shape[0]
     rows = np.arange(n)
     anc = np.eye(n, dtype=bool)
@@ -29,26 +30,17 @@ def ancestor_matrix(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor
     for _ in range(int(depths.max())):  # climb one level per step, all nodes at once
         node = up[node]
         anc[rows, node] = True
-    return torch.from_numpy(anc)
+    return anc
 
 
-def tree_verify_inputs(
-    tree: DraftTree, start: int, device: torch.device, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Token ids [1, N], position ids [1, N] and the additive mask [1, 1, N, start + N].
+def tree_verify_inputs(tree: DraftTree, start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One row of the verify batch, on the host: token ids [N], position ids [N] and the tree block of
+    the mask [N, N] (True = attend; the row's committed columns before it are all visible).
 
-    ``start`` is the root's position, which is also the number of tokens in the target's KV cache. A
-    root-only tree (plain decoding) sees everything, which is the model's own causal mask: None.
+    ``start`` is the root's position, which is also the number of tokens in the row's KV cache.
     """
-    n = tree.num_nodes
-    input_ids = tree.tokens.to(device).unsqueeze(0)  # [1, N]
-    position_ids = (tree.depths + start).to(device).unsqueeze(0)  # [1, N]
-    if n == 1:
-        return input_ids, position_ids, None
-    anc = ancestor_matrix(tree.parents, tree.depths)  # [N, N] built on the host, where the tree lives
-    mask = torch.zeros(n, start + n, dtype=dtype, device=device)  # context columns: all visible
-    mask[:, start:].masked_fill_(~anc.to(device), torch.finfo(dtype).min)
-    return input_ids, position_ids, mask[None, None]
+    depths = tree.depths.numpy()
+    return tree.tokens.numpy(), depths + start, ancestor_matrix(tree.parents.numpy(), depths)
 
 
 def follow_verified_tree(tree: DraftTree, target_token: Callable[[int], int]) -> tuple[list[int], list[int]]:

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
-from ddtree.buffers import KVBuffers
-from ddtree.commit import compact_kv_cache
 from ddtree.engine import Engine
 from ddtree.params import SamplingParams
 from ddtree.tree import build_ddtree_tree
-from ddtree.verify import tree_verify_inputs
+from ddtree.verify import first_child_chain, tree_verify_inputs
 
 PROMPTS = [[1, 5, 9, 22, 3], [7], [30, 2, 2, 14, 8, 19, 25, 11, 4, 0, 6, 13]]
 NEW = 40
@@ -70,18 +67,6 @@ def test_draft_precision_changes_proposals_not_output(pair, draft_dtype):
         assert max(result.stats.acceptance_lengths) > 1
 
 
-@pytest.mark.parametrize("method", ["ar", "ddtree"])
-def test_kv_buffers_growing_mid_request_change_nothing(pair, monkeypatch, method):
-    """Target and drafter caches start at one slot, so they grow (copying the cached rows) many times."""
-    target, drafter = pair
-    monkeypatch.setattr(KVBuffers, "MIN_CAPACITY", 1)
-    engine = Engine(target, drafter, method=method, budget=16)
-    for prompt in PROMPTS:
-        assert engine.generate(prompt, SamplingParams(max_new_tokens=NEW)).token_ids == hf_greedy(
-            target, prompt, NEW
-        )
-
-
 def test_stop_token_inside_accepted_block_ends_generation_there(pair):
     target, drafter = pair
     engine = Engine(target, drafter, method="ddtree", budget=256)
@@ -130,41 +115,50 @@ def test_stream_deltas_add_up_to_the_result(pair):
 
 @pytest.mark.parametrize("kept_path", ["deepest", "first_child_chain"])
 def test_kv_compaction_leaves_the_cache_of_a_fresh_forward(pair, kept_path):
-    """After committing a round, the next logits equal a from-scratch forward over the committed tokens.
+    """After committing a round, the next logits equal a from-scratch HF forward over the committed tokens.
 
-    The deepest path's slots are scattered through the tree block (a real gather); the chain of first
-    children, nodes 0, 1, 2, ..., is already in place (only the crop)."""
+    The request sits in row 1 of a two-row cache. The deepest path's slots are scattered through the tree
+    block (a real gather); the chain of first children, nodes 0, 1, 2, ..., is already in place."""
     target, drafter = pair
+    engine = Engine(target, drafter, max_batch_size=2)
+    cache, forward = engine.cache, engine.forward
     generator = torch.Generator().manual_seed(0)
-    prompt = torch.tensor([PROMPTS[2]])
+    prompt = PROMPTS[2]
+    start = len(prompt)
+
+    def run(ids: list[int], positions: list[int], cols: list[int], visible: torch.Tensor) -> torch.Tensor:
+        span = visible.shape[-1]
+        write = cache.at(slice(1, 2), torch.tensor([cols]), span)
+        hidden, _ = forward(torch.tensor([ids]), torch.tensor([positions]), write, visible[None, None])
+        return engine.lm_head(hidden[0])  # [T, V]
+
     with torch.inference_mode():
-        cache = DynamicCache(config=target.config)
-        root = int(target(prompt, cache=cache).logits[0, -1].argmax())
-        start = prompt.shape[1]
+        causal = torch.ones(start, start, dtype=torch.bool).tril()
+        root = int(run(prompt, list(range(start)), list(range(start)), causal)[-1].argmax())
         # A random tree; keep its deepest root path so the kept slots are scattered through the tree block
         draft_logits = torch.randn(7, target.config.vocab_size, generator=generator)
         tree = build_ddtree_tree(draft_logits, 64, root_token=root)
-        ids, positions, mask = tree_verify_inputs(tree, start, torch.device("cpu"), torch.float32)
-        target(ids, position_ids=positions, attention_mask=mask, cache=cache)
+        ids, positions, anc = tree_verify_inputs(tree, start)
+        n = tree.num_nodes
+        visible = torch.cat((torch.ones(n, start, dtype=torch.bool), torch.from_numpy(anc)), dim=1)
+        run(ids.tolist(), positions.tolist(), list(range(start, start + n)), visible)
         if kept_path == "deepest":
             path = [int(tree.depths.argmax())]
             while path[-1] != 0:
                 path.append(int(tree.parents[path[-1]]))
             kept = path[::-1]
         else:
-            kept = [0]
-            while len(kept) < tree.num_nodes and int(tree.parents[len(kept)]) == kept[-1]:
-                kept.append(len(kept))
-        compact_kv_cache(cache, start, tree.num_nodes, kept)
-        assert cache.get_seq_length() == start + len(kept)
-        committed = prompt[0].tolist() + tree.tokens[kept].tolist()
+            kept = first_child_chain(tree)
+        m = len(kept)
+        cache.move_cols(torch.tensor([1]), torch.tensor([kept]) + start, torch.arange(start, start + m)[None])
+        committed = prompt + tree.tokens[kept].tolist()
         nxt = 3
-        step = target(torch.tensor([[nxt]]), cache=cache).logits[0, -1]
+        step = run([nxt], [start + m], [start + m], torch.ones(1, start + m + 1, dtype=torch.bool))[-1]
         fresh = target(torch.tensor([committed + [nxt]])).logits[0, -1]
     if kept_path == "deepest":
-        assert len(kept) >= 3 and kept[-1] > len(kept)  # a real gather, not a prefix of the tree block
+        assert m >= 3 and kept[-1] > m  # a real gather, not a prefix of the tree block
     else:
-        assert len(kept) >= 2
+        assert m >= 2
     torch.testing.assert_close(step, fresh, atol=1e-5, rtol=0)
 
 

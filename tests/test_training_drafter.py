@@ -204,7 +204,6 @@ def test_packed_blocks_equal_inference_style_calls() -> None:
                     features[b : b + 1, :p],
                     torch.arange(p, p + 4)[None],
                     torch.arange(p)[None],
-                    cache=drafter.new_cache(),
                 )
             torch.testing.assert_close(packed[b, a], alone[0], atol=1e-5, rtol=1e-5)
 

@@ -35,7 +35,14 @@ from ddtree.commit import OutputState, TokenLogprobs, token_logprobs
 from ddtree.drafter import DFlashDrafter
 from ddtree.errors import DDTreeError
 from ddtree.forward import TargetForward
-from ddtree.models import DEFAULT_DRAFTER, DEFAULT_TARGET, check_pair, eos_token_ids, load_drafter, load_target
+from ddtree.models import (
+    DEFAULT_DRAFTER,
+    DEFAULT_TARGET,
+    check_pair,
+    eos_token_ids,
+    load_drafter,
+    load_target,
+)
 from ddtree.params import METHODS, SamplingParams, check_accept_thresholds, check_speculative_options
 from ddtree.sampling import SamplingTensors, filtered_probs, sample_trees
 from ddtree.tree import DraftTree, build_ddtree_tree, compile_ddtree_retrieve
@@ -226,7 +233,9 @@ class Engine:
         ):
             raise DDTreeError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
         if max_model_len is not None and max_model_len > context:
-            raise DDTreeError(f"max_model_len {max_model_len} exceeds the target's context of {context} tokens")
+            raise DDTreeError(
+                f"max_model_len {max_model_len} exceeds the target's context of {context} tokens"
+            )
         self.max_model_len = max_model_len or context
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
@@ -506,7 +515,9 @@ class Engine:
                 r.features = features[i, : r.start]  # [P_i, F * H]
                 self._drafting.append(r)
             want = r.params.logprobs is not None
-            r.output.write([root], token_logprobs(logits[i : i + 1], [root], r.params.logprobs) if want else None)
+            r.output.write(
+                [root], token_logprobs(logits[i : i + 1], [root], r.params.logprobs) if want else None
+            )
             r.stats.prefill_seconds = seconds
             deltas.append(self._delta(r, 0))
         for r in batch:
@@ -606,7 +617,9 @@ class Engine:
         block = torch.full((b, bs), self.drafter.mask_token_id, device=device)
         block[:, 0] = torch.tensor([r.root for r in rows], device=device)
         write = self.draft_cache.at(slice(0, b), torch.cat((ctx_cols, block_cols), dim=1), span)
-        hidden = self.drafter(self.embed(block), features, block_cols, ctx_positions, write, mask)  # [B, S, H]
+        hidden = self.drafter(
+            self.embed(block), features, block_cols, ctx_positions, write, mask
+        )  # [B, S, H]
         depths = [self._draft_depth(r) for r in rows]
         hidden = hidden[:, 1 : 1 + max(depths)].to(self.draft_head.dtype)  # [B, depth, H]
         logits = F.linear(hidden, self.draft_head, self.draft_head_bias).float()  # [B, depth, V]
@@ -622,7 +635,11 @@ class Engine:
 
     def _draft_depth(self, r: Request) -> int:
         # A tree of `budget` nodes is at most `budget` deep: deeper rows would never be read.
-        depth = self.drafter.block_size - 1 if r.method == "dflash" else min(r.budget, self.drafter.block_size - 1)
+        depth = (
+            self.drafter.block_size - 1
+            if r.method == "dflash"
+            else min(r.budget, self.drafter.block_size - 1)
+        )
         return max(1, min(depth, self._room(r) - 1))
 
     def _tree(self, r: Request, draft_logits: torch.Tensor | None) -> DraftTree:
@@ -631,7 +648,9 @@ class Engine:
         if draft_logits is None or room < 1:
             return DraftTree.root_only(r.root)
         if r.method == "dflash":
-            return build_ddtree_tree(draft_logits, min(draft_logits.shape[0], room), topk=1, root_token=r.root)
+            return build_ddtree_tree(
+                draft_logits, min(draft_logits.shape[0], room), topk=1, root_token=r.root
+            )
         return build_ddtree_tree(draft_logits, min(r.budget, room), topk=r.topk, root_token=r.root)
 
     def _verify_inputs(self, rows: list[Request], trees: list[DraftTree]) -> VerifyBatch:

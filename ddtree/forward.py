@@ -69,7 +69,12 @@ class TargetForward:
             q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, heads, T, D]
             keys, values = write.write(i, k, v)  # [B, kv_heads, span, D]
             out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=self.num_kv_heads != self.num_heads
+                q,
+                keys,
+                values,
+                attn_mask=mask,
+                scale=self.scaling,
+                enable_gqa=self.num_kv_heads != self.num_heads,
             )  # [B, heads, T, D]
             x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))

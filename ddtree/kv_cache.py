@@ -46,7 +46,7 @@ class KVCache:
         return CacheWrite(self, rows, cols, span)
 
     def copy_row(self, src: int, dst: int, length: int) -> None:
-        """Move a request's first ``length`` columns to another row (its row is being freed for compaction)."""
+        """Move a request's first ``length`` columns to another row (compaction when a row is freed)."""
         for buf in (*self.keys, *self.values):
             buf[dst, :, :length] = buf[src, :, :length]
 

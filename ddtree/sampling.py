@@ -46,7 +46,7 @@ class SamplingTensors:
 
 
 def target_probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution one request asked for, over the last dim of ``logits`` [..., V] (see ``filtered_probs``).
+    """One request's distribution over the last dim of ``logits`` [..., V] (see ``filtered_probs``).
 
     Greedy (temperature 0) has no distribution: take the argmax instead.
     """

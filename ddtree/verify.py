@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-import torch
 
 from ddtree.tree import DraftTree
 

@@ -26,6 +26,7 @@ _CODES = {
     "extra_forbidden": "unknown_parameter",
     "missing": "missing_required_parameter",
     "json_invalid": "invalid_json",
+    "too_long": "array_above_max_length",
 }
 
 
@@ -47,6 +48,9 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 class ClientGone(Exception):
@@ -97,7 +101,7 @@ def _param(loc) -> str | None:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -26,7 +26,6 @@ _CODES = {
     "extra_forbidden": "unknown_parameter",
     "missing": "missing_required_parameter",
     "json_invalid": "invalid_json",
-    "too_long": "array_above_max_length",
 }
 
 

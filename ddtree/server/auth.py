@@ -35,6 +35,16 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def open_access_warning(host: str, port: int, keys: tuple[str, ...]) -> str | None:
+    """What to say at start-up when the server takes no key yet listens beyond this machine."""
+    if keys or is_loopback(host):
+        return None
+    return (
+        f"ddtree serve: warning: no API key, so anyone who can reach {host}:{port} can use this server; "
+        f"set --api-key or ${API_KEY_ENV}"
+    )
+
+
 def _digest(key: str | bytes) -> bytes:
     return hashlib.sha256(key.encode() if isinstance(key, str) else key).digest()
 

@@ -24,7 +24,7 @@ from uvicorn.config import LOGGING_CONFIG
 from ddtree.errors import DDTreeError
 from ddtree.server import limits
 from ddtree.server.app import ServerConfig, create_app
-from ddtree.server.auth import API_KEY_ENV, api_keys, is_loopback
+from ddtree.server.auth import API_KEY_ENV, api_keys, open_access_warning
 
 LOAD_DELAY_ENV = "DDTREE_TEST_LOAD_DELAY"  # test hook: seconds to sleep before loading (a slow disk)
 
@@ -151,13 +151,9 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     print(f"ddtree serve: listening on http://{host}:{port} (pid {os.getpid()})", file=sys.stderr, flush=True)
-    if not keys and not is_loopback(host):
-        print(
-            f"ddtree serve: warning: no API key, so anyone who can reach {host}:{port} can use this server; "
-            f"set --api-key or ${API_KEY_ENV}",
-            file=sys.stderr,
-            flush=True,
-        )
+    warning = open_access_warning(host, port, keys)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
 
     def load():
         if delay > 0:

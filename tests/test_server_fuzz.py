@@ -3,7 +3,9 @@
 Bodies are built field by field from the request schema, each field either plausible or any JSON value
 (NaN and infinities included), plus unknown fields, arbitrary JSON documents, raw bytes and odd
 methods and paths. The app runs in process with the real tiny engine, so sampling values that reach the
-engine are exercised too. Derandomized, so CI runs the same few hundred examples every time.
+engine are exercised too. Every test runs twice: on an open app, and on one that needs an API key (the
+client sends it, except where a test draws the Authorization header itself). Derandomized, so CI runs
+the same few hundred examples every time.
 """
 
 from __future__ import annotations
@@ -165,12 +167,23 @@ VALID_CHATS = st.fixed_dictionaries(
 )
 
 
+KEY = "fuzz-key"
+AUTHORIZATION = st.sampled_from(
+    [f"Bearer {KEY}", f"Bearer {KEY}", f"bearer {KEY}", "Bearer wrong", "Basic x", ""]
+)
+
+
 @pytest.fixture(scope="module")
-def http(tmp_path_factory):
-    engine = Engine.from_pretrained(*save_models(tmp_path_factory.mktemp("fuzz-models")), budget=16)
-    with TestClient(
-        create_app(lambda: engine, ServerConfig(model_name="tiny")), raise_server_exceptions=False
-    ) as c:
+def engine(tmp_path_factory) -> Engine:
+    return Engine.from_pretrained(*save_models(tmp_path_factory.mktemp("fuzz-models")), budget=16)
+
+
+@pytest.fixture(scope="module", params=["open", "keyed"])
+def http(engine, request):
+    keys = (KEY,) if request.param == "keyed" else ()
+    app = create_app(lambda: engine, ServerConfig(model_name="tiny", api_keys=keys))
+    headers = {"Authorization": f"Bearer {KEY}"} if keys else {}
+    with TestClient(app, raise_server_exceptions=False, headers=headers) as c:
         deadline = time.monotonic() + 60
         while c.get("/ready").status_code != 200:
             assert time.monotonic() < deadline, c.get("/ready").text
@@ -234,10 +247,16 @@ def test_fuzz_hostile_chat_completions(http, request_body):
     document=json_values,
     raw=st.binary(max_size=40),
     content_type=st.sampled_from(["application/json", "text/plain", "", "application/json; charset=latin-1"]),
+    authorization=AUTHORIZATION,
 )
-def test_fuzz_arbitrary_documents_and_bytes(http, path, document, raw, content_type):
+def test_fuzz_arbitrary_documents_and_bytes(http, path, document, raw, content_type, authorization):
     check(post(http, path, document), document)
-    check(http.post(path, content=raw, headers={"content-type": content_type}), raw)
+    headers = {"content-type": content_type, "authorization": authorization}
+    response = http.post(path, content=raw, headers=headers)
+    check(response, raw)
+    keyed = "authorization" in http.headers
+    if keyed and path.startswith("/v1") and authorization.lower() != f"bearer {KEY}":
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
 
 
 @fuzz(60)
@@ -261,7 +280,8 @@ def test_fuzz_arbitrary_documents_and_bytes(http, path, document, raw, content_t
     | st.text(
         alphabet=st.characters(min_codepoint=33, max_codepoint=126, exclude_characters="?#%"), max_size=20
     ).map(lambda s: "/" + s),
+    authorization=AUTHORIZATION,
 )
-def test_fuzz_methods_and_paths(http, method, path):
-    response = http.request(method, path)
+def test_fuzz_methods_and_paths(http, method, path, authorization):
+    response = http.request(method, path, headers={"authorization": authorization})
     assert response.status_code < 500, (method, path, response.text)

@@ -268,6 +268,17 @@ def test_64_concurrent_clients_get_a_correct_answer_or_a_429(server, engine):
     assert metric(after, "ddtree_queue_depth") == 0 and metric(after, "ddtree_requests_running") == 0
 
 
+def test_cors_is_off_by_default_and_no_key_is_needed(server):
+    origin = {"Origin": "https://app.example"}
+    preflight = httpx.options(
+        f"{server.url}/v1/completions", headers=origin | {"Access-Control-Request-Method": "POST"}
+    )
+    assert preflight.status_code >= 400 and "Access-Control-Allow-Origin" not in preflight.headers
+    answer = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=origin)
+    assert answer.status_code == 200 and "Access-Control-Allow-Origin" not in answer.headers
+    assert "no API key" not in server.log()  # loopback: no warning
+
+
 def test_a_second_server_on_the_same_port_fails_at_once(server, model_dirs):
     port = server.url.rsplit(":", 1)[1]
     start = time.monotonic()

@@ -18,12 +18,15 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ddtree.params import SamplingParams
+from ddtree.server.auth import APIKeyMiddleware
 from ddtree.server.errors import APIError, error_body, install_error_handlers
 from ddtree.server.generation import ServedModel
+from ddtree.server.limits import BodySizeLimit, Limits, longest_token_chars
 from ddtree.server.metrics import Metrics, MetricsMiddleware
 from ddtree.server.openai_api import router as openai_router
 from ddtree.server.protocol import Health, NotReady
@@ -44,6 +47,10 @@ class ServerConfig:
     request_timeout: float = 600.0  # seconds from arrival to the last token, queue wait included
     engine_stop_timeout: float = 5.0  # how long the app's shutdown waits for the engine thread to stop
     retry_after: int = 1  # seconds, sent with 429 and 503
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # /v1 needs one of them (none: open)
+    metrics_api_keys: tuple[str, ...] = field(default=(), repr=False)  # /metrics needs one (none: open)
+    allowed_origins: tuple[str, ...] = ()  # CORS for browser clients (none: off)
+    limits: Limits = field(default_factory=Limits)
 
 
 @dataclass
@@ -56,6 +63,7 @@ class ServerState:
     pid: int = field(default_factory=os.getpid)
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     started_at: float = field(default_factory=time.time)
+    token_chars: int | None = None  # the tokenizer's longest token in characters, once loaded
 
     def health(self) -> Health:
         return Health(
@@ -108,9 +116,13 @@ def create_app(
     """An OpenAI-compatible app serving the engine ``engine_factory`` builds (on the worker thread)."""
     config = config or ServerConfig()
     metrics = Metrics()
-    worker = EngineWorker(
-        lambda: load_model(engine_factory), metrics, config.max_queue, warm_up, on_load_failed=on_load_failed
-    )
+
+    def load() -> ServedModel:
+        model = load_model(engine_factory)
+        state.token_chars = longest_token_chars(model.engine.tokenizer)
+        return model
+
+    worker = EngineWorker(load, metrics, config.max_queue, warm_up, on_load_failed=on_load_failed)
     state = ServerState(config, worker, metrics)
 
     @asynccontextmanager
@@ -126,6 +138,17 @@ def create_app(
     )
     app.state.ddtree = state
     install_error_handlers(app)
+    # The last added runs first: metrics see every answer; CORS answers preflights (which carry no key)
+    # before the key check; the body is read, within its limit, only for a request with a valid key.
+    app.add_middleware(BodySizeLimit, limit=config.limits.max_request_bytes)
+    app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys, metrics_api_keys=config.metrics_api_keys)
+    if config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.include_router(openai_router)
 

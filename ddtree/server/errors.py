@@ -48,6 +48,9 @@ class APIError(Exception):
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
 
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
 
 class ClientGone(Exception):
     """The client disconnected before its answer was complete."""
@@ -97,7 +100,7 @@ def _param(loc) -> str | None:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

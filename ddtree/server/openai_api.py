@@ -19,6 +19,7 @@ from ddtree.server.chat import message_dicts
 from ddtree.server.errors import APIError, invalid, unsupported
 from ddtree.server.events import EventStreamResponse, event_stream, job_items
 from ddtree.server.generation import Plan, Started, run_plan
+from ddtree.server.limits import check_plan
 from ddtree.server.protocol import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -96,8 +97,9 @@ async def _answer(
 ):
     """Queue the plan, wait for the engine's verdict on it, then answer whole or as a stream."""
     state = request.app.state.ddtree
-    state.model()  # 503 while loading
+    model = state.model()  # 503 while loading
     metrics, config = state.metrics, state.config
+    check_plan(plan, model.max_positions, state.token_chars, config.limits)
     job = Job(partial(run_plan, plan=plan, metrics=metrics), asyncio.get_running_loop())
     try:
         state.worker.submit(job)

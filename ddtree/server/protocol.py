@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_N = 16  # choices per request; each is a whole generation on the one engine
 MAX_PROMPTS = 16  # prompts in one batched completions request
 MAX_STOP = 16
+MAX_MESSAGES = 2048  # as OpenAI; checked while parsing, before a model is built per message
 MAX_LOGPROBS = 20  # as ddtree.params.MAX_LOGPROBS
 MAX_BUDGET = 4096  # a larger tree only costs the target's verify forward; this bounds one round
 MAX_TOPK = 1 << 20
@@ -101,7 +102,7 @@ class ResponseFormat(_Strict):
 class ChatCompletionRequest(GenerationRequest):
     """``POST /v1/chat/completions``: messages rendered by the tokenizer's chat template (or the fallback)."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens")
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true")

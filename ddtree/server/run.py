@@ -22,7 +22,9 @@ import uvicorn
 from uvicorn.config import LOGGING_CONFIG
 
 from ddtree.errors import DDTreeError
+from ddtree.server import limits
 from ddtree.server.app import ServerConfig, create_app
+from ddtree.server.auth import API_KEY_ENV, api_keys, open_access_warning
 
 LOAD_DELAY_ENV = "DDTREE_TEST_LOAD_DELAY"  # test hook: seconds to sleep before loading (a slow disk)
 
@@ -44,6 +46,40 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every request")
+    add_security_options(p)
+
+
+def add_security_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--api-key",
+        action="extend",
+        nargs="+",
+        metavar="KEY",
+        help=f"/v1 requests need 'Authorization: Bearer KEY'; several: --api-key K1 K2, or repeat the flag "
+        f"(default: the comma-separated ${API_KEY_ENV}, which keeps keys out of the process list)",
+    )
+    p.add_argument(
+        "--metrics-api-key", action="extend", nargs="+", metavar="KEY", help="/metrics needs one of these"
+    )
+    p.add_argument(
+        "--allowed-origins",
+        action="extend",
+        nargs="+",
+        metavar="ORIGIN",
+        help="enable CORS for these browser origins (e.g. https://app.example, or *); default: off",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=limits.MAX_REQUEST_BYTES,
+        help="larger request bodies get 413",
+    )
+    p.add_argument(
+        "--max-tokens-per-request",
+        type=int,
+        default=limits.MAX_TOKENS_PER_REQUEST,
+        help="bound on n x prompts x max_tokens of one request",
+    )
 
 
 def bind(host: str, port: int, backlog: int = 2048) -> socket.socket:
@@ -104,6 +140,10 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
         raise DDTreeError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not args.request_timeout > 0 or not args.shutdown_timeout >= 0:
         raise DDTreeError("--request-timeout must be > 0 and --shutdown-timeout >= 0")
+    for flag in ("max_request_bytes", "max_tokens_per_request"):
+        if getattr(args, flag) < 1:
+            raise DDTreeError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    keys = api_keys(args.api_key, os.environ)
     if args.target is not None and not Path(args.target).is_dir():
         raise DDTreeError(f"target directory {args.target} does not exist")
     delay = float(os.environ.get(LOAD_DELAY_ENV, "0") or 0)
@@ -111,6 +151,9 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     print(f"ddtree serve: listening on http://{host}:{port} (pid {os.getpid()})", file=sys.stderr, flush=True)
+    warning = open_access_warning(host, port, keys)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
 
     def load():
         if delay > 0:
@@ -127,6 +170,10 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
         model_name=args.served_model_name or (Path(args.target).name if args.target else "ddtree-default"),
         max_queue=args.max_queue,
         request_timeout=args.request_timeout,
+        api_keys=keys,
+        metrics_api_keys=tuple(args.metrics_api_key or ()),
+        allowed_origins=tuple(args.allowed_origins or ()),
+        limits=limits.Limits(args.max_request_bytes, args.max_tokens_per_request),
     )
     app = create_app(load, config, on_load_failed=load_failed)
     run_app(app, sock, args.shutdown_timeout, args.log_level, args.access_log)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ddtree.bench.cli import register_bench
 from ddtree.errors import DDTreeError
+from ddtree.params import METHODS
 from ddtree.training.cli import register as register_train
 
 
@@ -27,7 +28,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     """Model and method flags, shared by every command that runs the engine."""
     p.add_argument("--target", type=Path, default=None, help="HF target model directory (default: built-in)")
     p.add_argument("--drafter", type=Path, default=None, help="DFlash drafter directory (default: built-in)")
-    p.add_argument("--method", choices=["ddtree", "dflash", "ar"], default="ddtree")
+    p.add_argument("--method", choices=METHODS, default="ddtree")
     p.add_argument("--budget", type=int, default=64, help="draft tree nodes per round (ddtree)")
     p.add_argument("--topk", type=int, default=None, help="cap on candidates per tree depth")
     p.add_argument("--device", default="cpu")

@@ -11,6 +11,8 @@ from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ddtree.params import METHODS
+
 MAX_N = 16  # choices per request; each is a whole generation on the one engine
 MAX_PROMPTS = 16  # prompts in one batched completions request
 MAX_STOP = 16
@@ -20,7 +22,7 @@ MAX_TOPK = 1 << 20
 INT64 = 1 << 63
 
 FinishReason = Literal["stop", "length"]
-Method = Literal["ddtree", "dflash", "ar"]
+Method = Literal[METHODS]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 _T = TypeVar("_T")
 Batch = Annotated[list[_T], Field(max_length=MAX_PROMPTS)]

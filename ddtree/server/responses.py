@@ -30,6 +30,7 @@ from ddtree.server.protocol import (
     TopLogprob,
     Usage,
 )
+from ddtree.stats import mean_acceptance_length
 
 
 @dataclass
@@ -51,7 +52,7 @@ def total_stats(stats: list[SpeculativeStats]) -> SpeculativeStats | None:
     return SpeculativeStats(
         method=stats[0].method,
         budget=stats[0].budget,
-        tau=sum(lengths) / len(lengths) if lengths else 0.0,
+        tau=mean_acceptance_length(lengths),
         rounds=len(lengths),
         acceptance_lengths=lengths,
     )

@@ -22,6 +22,7 @@ import uvicorn
 from uvicorn.config import LOGGING_CONFIG
 
 from ddtree.errors import DDTreeError
+from ddtree.params import check_speculative_options
 from ddtree.server.app import ServerConfig, create_app
 
 LOAD_DELAY_ENV = "DDTREE_TEST_LOAD_DELAY"  # test hook: seconds to sleep before loading (a slow disk)
@@ -95,9 +96,7 @@ def run_app(app, sock: socket.socket, shutdown_timeout: float, level: str = "inf
 
 def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespace], object]) -> None:
     """The ``serve`` command: checks flags, binds, serves; raises DDTreeError for the CLI's exit 2."""
-    from ddtree.engine import check_engine_options
-
-    check_engine_options(args.method, args.budget, args.topk, has_drafter=True)
+    check_speculative_options(args.method, args.budget, args.topk)
     if not 0 <= args.port <= 65535:
         raise DDTreeError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_queue < 0:

@@ -378,12 +378,13 @@ def evaluate_tau(
     """Greedy tau (tokens per target forward) of ``dflash`` and ``ddtree`` on ``prompts``, pooled over
     rounds, and whether both reproduced method ``ar`` token for token (they must: decoding is lossless)."""
     from ddtree.engine import Engine
-    from ddtree.params import SamplingParams
+    from ddtree.params import METHODS, SamplingParams
+    from ddtree.stats import mean_acceptance_length
 
     params = SamplingParams(max_new_tokens=new_tokens)
     result: dict = {"prompts": len(prompts), "new_tokens": new_tokens, "budget": budget}
     outputs: dict[str, list[list[int]]] = {}
-    for method in ("ar", "dflash", "ddtree"):
+    for method in METHODS:
         engine = Engine(target, drafter, tokenizer, method=method, budget=budget)
         lens: list[int] = []
         outputs[method] = []
@@ -394,11 +395,12 @@ def evaluate_tau(
             lens += r.stats.acceptance_lengths
         if method != "ar":
             result[method] = {
-                "tau": round(sum(lens) / max(1, len(lens)), 4),
+                "tau": round(mean_acceptance_length(lens), 4),
                 "rounds": len(lens),
                 "seconds": round(time.perf_counter() - t0, 2),
-                "matches_ar": outputs[method] == outputs["ar"],
             }
+    for method in result.keys() & set(METHODS):  # ar runs last in METHODS: compare once it has
+        result[method]["matches_ar"] = outputs[method] == outputs["ar"]
     return result
 
 

@@ -471,7 +471,7 @@ def test_emitted_tokens_follow_the_target_distribution():
 
 
 def test_lossy_threshold_fails_the_same_distribution_check():
-    """Accepting when coin <= 1.2 * running sum biases the output; the check must notice."""
+    """Accepting when coin < 1.2 * running sum biases the output; the check must notice."""
     observed, expected = sampled_pairs(threshold_acc=1 / 1.2)
     assert chi2_p(observed.view(5, 5).sum(1), expected.view(5, 5).sum(1)) < 1e-6
     assert chi2_p(observed, expected) < 1e-6

@@ -38,6 +38,14 @@ def check_accept_thresholds(single: float, acc: float) -> tuple[float, float]:
     return float(single), float(acc)
 
 
+def lossy_threshold_fields(single: float, acc: float) -> dict[str, float]:
+    """The thresholds as stats and responses report them: both named when either is below 1.0 (lossy),
+    nothing at the lossless default."""
+    if single == 1.0 and acc == 1.0:
+        return {}
+    return {"accept_threshold_single": single, "accept_threshold_acc": acc}
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What the user asks of the target's distribution.

@@ -11,54 +11,105 @@ import json
 import sys
 from pathlib import Path
 
+from ddtree import __version__
+from ddtree.argparsing import Parser, add_draft_topk
 from ddtree.bench.cli import register_bench
 from ddtree.errors import DDTreeError
+from ddtree.params import METHODS, check_accept_thresholds, check_speculative_options
 from ddtree.training.cli import register as register_train
 
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but its errors are one line like ours (no usage dump)."""
-
-    def error(self, message: str):
-        raise DDTreeError(message)
+DESCRIPTION = """\
+Lossless speculative decoding with DDTree over DFlash drafters: generate text, serve an
+OpenAI-compatible API, benchmark the methods, or train models. With no --target / --drafter,
+every command uses the small built-in model pair."""
+DEFAULT_BUDGET = 16  # the fastest budget measured on a CPU (docs/benchmarks.md), until budget="auto" exists
+GENERATE_EXAMPLES = """examples:
+  ddtree generate "def fibonacci(n):" --stats
+  echo "import os" | ddtree generate - --temperature 0.7 --seed 1
+  ddtree generate --prompt-file prompt.txt --target DIR --drafter DIR --budget 32"""
+SERVE_EXAMPLES = """example:
+  ddtree serve --port 8000 &
+  curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+      -d '{"prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0}'"""
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     """Model and method flags, shared by every command that runs the engine."""
-    p.add_argument("--target", type=Path, default=None, help="HF target model directory (default: built-in)")
-    p.add_argument("--drafter", type=Path, default=None, help="DFlash drafter directory (default: built-in)")
-    p.add_argument("--method", choices=["ddtree", "dflash", "ar"], default="ddtree")
-    p.add_argument("--budget", type=int, default=64, help="draft tree nodes per round (ddtree)")
-    p.add_argument("--topk", type=int, default=None, help="cap on candidates per tree depth")
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--target", type=Path, default=None, help="HF target model directory (the built-in one if omitted)"
+    )
+    p.add_argument(
+        "--drafter", type=Path, default=None, help="DFlash drafter directory (the built-in one if omitted)"
+    )
+    p.add_argument(
+        "--method",
+        choices=METHODS,
+        default="ddtree",
+        help="ddtree: draft tree; dflash: the drafter's argmax chain; ar: plain decoding",
+    )
+    p.add_argument("--budget", type=int, default=DEFAULT_BUDGET, help="ddtree: draft tree nodes per round")
+    add_draft_topk(p)
+    p.add_argument(
+        "--speculative-accept-threshold-single",
+        dest="accept_threshold_single",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="SGLang's threshold_single: accept a drafted token whose target probability is >= P; "
+        "LOSSY below 1.0 (output no longer follows the target's distribution)",
+    )
+    p.add_argument(
+        "--speculative-accept-threshold-acc",
+        dest="accept_threshold_acc",
+        type=float,
+        default=1.0,
+        metavar="A",
+        help="SGLang's threshold_acc: accept when coin < (siblings' target mass) / A; LOSSY below 1.0",
+    )
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")  # fmt: skip
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1.0 = off")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling (random if omitted)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="ddtree", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    gen = sub.add_parser("generate", help="generate a continuation of PROMPT (streamed)")
-    gen.add_argument("prompt")
+    parser = Parser(prog="ddtree", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
+    gen = sub.add_parser("generate", help="generate a continuation of a prompt (streamed)",
+                         description="Stream the target's continuation of PROMPT to stdout.",
+                         epilog=GENERATE_EXAMPLES)  # fmt: skip
+    gen.add_argument("prompt", nargs="?", default=None, help="the prompt; - reads it from stdin")
+    gen.add_argument("--prompt-file", type=Path, default=None, help="read the prompt from this file")
     _add_engine_options(gen)
     _add_sampling_options(gen)
     gen.add_argument("--stats", action="store_true", help="print speculative-decoding stats to stderr")
     gen.set_defaults(func=_generate)
-    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
+                         description="Serve the engine over an OpenAI-compatible HTTP API.",
+                         epilog=SERVE_EXAMPLES)  # fmt: skip
     _add_engine_options(srv)
     _add_server_options(srv)
     srv.set_defaults(func=_serve)
     register_bench(sub)
     register_train(sub)
     return parser
+
+
+def check_engine_flags(args: argparse.Namespace):
+    """The checks that need no model: method, budget, topk, thresholds, device. Returns the device."""
+    from ddtree.models import check_device
+
+    check_speculative_options(args.method, args.budget, args.topk)
+    check_accept_thresholds(args.accept_threshold_single, args.accept_threshold_acc)
+    return check_device(args.device)
 
 
 def engine_from_args(args: argparse.Namespace):
@@ -70,6 +121,7 @@ def engine_from_args(args: argparse.Namespace):
     from ddtree.engine import Engine
     from ddtree.models import DEFAULT_DRAFTER, DEFAULT_TARGET
 
+    device = check_engine_flags(args)
     target = args.target or DEFAULT_TARGET
     drafter = args.drafter
     if drafter is None and args.target is None:
@@ -81,13 +133,33 @@ def engine_from_args(args: argparse.Namespace):
     if args.target is None and not DEFAULT_TARGET.is_dir():
         raise DDTreeError("the built-in models are not installed; pass --target (and --drafter)")
     return Engine.from_pretrained(
-        target, drafter, method=args.method, budget=args.budget, topk=args.topk, device=args.device
+        target,
+        drafter,
+        method=args.method,
+        budget=args.budget,
+        topk=args.topk,
+        device=device,
+        accept_threshold_single=args.accept_threshold_single,
+        accept_threshold_acc=args.accept_threshold_acc,
     )
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    """PROMPT, stdin (PROMPT is -) or --prompt-file: exactly one of them."""
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise DDTreeError("give a PROMPT (- for stdin) or --prompt-file, not both")
+    if args.prompt_file is not None:
+        try:
+            return args.prompt_file.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DDTreeError(f"cannot read --prompt-file {args.prompt_file}: {exc}") from None
+    return sys.stdin.read() if args.prompt == "-" else args.prompt
 
 
 def _generate(args: argparse.Namespace) -> None:
     from ddtree.params import SamplingParams
 
+    prompt = read_prompt(args)
     params = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -100,8 +172,8 @@ def _generate(args: argparse.Namespace) -> None:
     engine = engine_from_args(args)
     if engine.tokenizer is None:
         raise DDTreeError(f"target {args.target} has no tokenizer; text prompts need one")
-    deltas = engine.stream(args.prompt, params)  # validates the request before anything is printed
-    sys.stdout.write(args.prompt)
+    deltas = engine.stream(prompt, params)  # validates the request before anything is printed
+    sys.stdout.write(prompt)
     delta = None
     for delta in deltas:
         sys.stdout.write(delta.text)
@@ -124,13 +196,17 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
 def _serve(args: argparse.Namespace) -> None:
     from ddtree.server.run import serve
 
+    check_engine_flags(args)  # before binding: a bad flag fails at once, not after the port is taken
     serve(args, engine_from_args)
 
 
 def main(argv: list[str] | None = None) -> None:
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # the CLI's stderr is for our stats and errors
+    # The CLI's stderr is for our stats and errors: no progress bars, and no transformers warning (like the
+    # tokenizer's "sequence length is longer than ..." before our own one-line error for a long prompt).
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
     try:
         args = build_parser().parse_args(argv)
         args.func(args)

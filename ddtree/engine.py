@@ -12,7 +12,8 @@ Greedy rows accept by walking the target's argmax; sampled rows by tree rejectio
 same verdict and go through ``ddtree.commit``.
 
 The request-level API follows vLLM's ``LLMEngine``: ``add_request`` / ``step`` / ``abort``; ``generate`` and
-``stream`` drive that loop for callers that want results.
+``stream`` drive that loop for callers that want results (and may run side by side: each stream steps
+the engine, which advances every request).
 """
 
 from __future__ import annotations
@@ -43,8 +44,15 @@ from ddtree.models import (
     load_drafter,
     load_target,
 )
-from ddtree.params import METHODS, SamplingParams, check_accept_thresholds, check_speculative_options
+from ddtree.params import (
+    METHODS,
+    SamplingParams,
+    check_accept_thresholds,
+    check_speculative_options,
+    lossy_threshold_fields,
+)
 from ddtree.sampling import SamplingTensors, filtered_probs, sample_trees
+from ddtree.stats import mean_acceptance_length
 from ddtree.tree import DraftTree, build_ddtree_tree, compile_ddtree_retrieve
 from ddtree.verify import first_child_chain, follow_verified_tree, tree_verify_inputs
 
@@ -103,7 +111,7 @@ class GenerationStats:
     @property
     def tau(self) -> float:
         """Mean acceptance length (tokens committed per target forward after prefill)."""
-        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+        return mean_acceptance_length(self.acceptance_lengths)
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -123,9 +131,7 @@ class GenerationStats:
             "decode_tokens": self.decode_tokens,
             "decode_tokens_per_second": self.decode_tokens_per_second,
         }
-        if self.accept_thresholds != (1.0, 1.0):
-            out["accept_threshold_single"], out["accept_threshold_acc"] = self.accept_thresholds
-        return out
+        return out | lossy_threshold_fields(*self.accept_thresholds)
 
 
 @dataclass
@@ -273,6 +279,8 @@ class Engine:
         self._running: list[Request] = []  # index = target cache row
         self._drafting: list[Request] = []  # index = drafter cache row
         self._ids = itertools.count()
+        self._followed: dict[str, deque[StreamDelta]] = {}  # request id -> deltas its stream has not read
+        self._unclaimed: list[StreamDelta] = []  # deltas the next `step` returns
 
     @property
     def max_positions(self) -> int:
@@ -378,12 +386,12 @@ class Engine:
     def step(self) -> list[StreamDelta]:
         """One round for every running request, then admit waiting ones (one batched prefill).
 
-        Returns one delta per request that changed; the last delta of a request carries its finish_reason.
+        Returns one delta per request that changed (requests followed by ``stream`` / ``generate`` get
+        theirs there instead); the last delta of a request carries its finish_reason.
         """
-        with torch.inference_mode():
-            deltas = self._round() if self._running else []
-            deltas += self._admit()
-        return deltas
+        self._advance()
+        out, self._unclaimed = self._unclaimed, []
+        return out
 
     def generate(
         self,
@@ -403,7 +411,6 @@ class Engine:
             all_params = list(params)
         else:
             all_params = [params] * len(prompts)
-        self._check_idle()
         ids: list[str] = []
         try:
             for p, sp in zip(prompts, all_params, strict=True):
@@ -412,16 +419,16 @@ class Engine:
             for request_id in ids:
                 self.abort(request_id)
             raise
-        results = {request_id: GenerationResult([], "", "", None, [], request_id) for request_id in ids}
-        while self.has_unfinished_requests():
-            for delta in self.step():
-                result = results[delta.request_id]
+        results = []
+        for stream in [self._follow(request_id) for request_id in ids]:  # every row decodes meanwhile
+            result = GenerationResult([], "", "", None, [], ids[len(results)])
+            for delta in stream:
                 result.token_ids += delta.token_ids
                 result.text += delta.text
                 result.logprobs += delta.logprobs
                 result.finish_reason, result.stats = delta.finish_reason, delta.stats
-        out = [results[request_id] for request_id in ids]
-        return out[0] if single else out
+            results.append(result)
+        return results[0] if single else results
 
     def stream(
         self,
@@ -433,11 +440,11 @@ class Engine:
     ) -> Iterator[StreamDelta]:
         """Yield one delta per step until the request finishes (the last one carries finish_reason).
 
-        Bad input raises here, not at the first ``next``. Closing the iterator early aborts the request.
+        Bad input raises here, not at the first ``next``. Iterating steps the engine, so every other
+        request advances too (a stream's deltas wait in its own queue until it is read); closing the
+        iterator early aborts the request.
         """
-        self._check_idle()
-        request_id = self.add_request(prompt, params, method=method, budget=budget, topk=topk)
-        return self._follow(request_id)
+        return self._follow(self.add_request(prompt, params, method=method, budget=budget, topk=topk))
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -453,23 +460,37 @@ class Engine:
             raise DDTreeError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
-    def _check_idle(self) -> None:
-        if self.has_unfinished_requests():
-            raise DDTreeError(
-                "generate/stream drive the engine themselves; with requests already in flight, "
-                "use add_request and step"
-            )
-
     def _follow(self, request_id: str) -> Iterator[StreamDelta]:
+        """The deltas of one request, stepping the engine whenever none is waiting (eagerly registered, so
+        nothing is lost between this call and the first ``next``)."""
+        queue = self._followed[request_id] = deque()
+        return self._drain(request_id, queue)
+
+    def _drain(self, request_id: str, queue: deque[StreamDelta]) -> Iterator[StreamDelta]:
         done = False
         try:
             while not done:
-                for delta in self.step():
-                    done = delta.finish_reason is not None
-                    yield delta
+                while not queue:
+                    if not any(
+                        r.request_id == request_id for r in itertools.chain(self._waiting, self._running)
+                    ):
+                        return  # aborted elsewhere
+                    self._advance()
+                delta = queue.popleft()
+                done = delta.finish_reason is not None
+                yield delta
         finally:
+            del self._followed[request_id]
             if not done:
                 self.abort(request_id)
+
+    def _advance(self) -> None:
+        with torch.inference_mode():
+            deltas = self._round() if self._running else []
+            deltas += self._admit()
+        for delta in deltas:
+            queue = self._followed.get(delta.request_id)
+            (self._unclaimed if queue is None else queue).append(delta)
 
     # -- admission ---------------------------------------------------------------------------------------
 

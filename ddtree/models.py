@@ -17,9 +17,33 @@ DEFAULT_TARGET = ASSETS / "target"
 DEFAULT_DRAFTER = ASSETS / "drafter"
 
 
+def check_device(name: str | torch.device) -> torch.device:
+    """The torch device ``name`` names, or a one-line DDTreeError when it is unknown or absent here."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise DDTreeError(f"unknown device {str(name)!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DDTreeError(f"device {str(name)!r} given but CUDA is not available on this machine")
+    return device
+
+
+def check_model_dir(directory: str | Path, what: str) -> Path:
+    """``directory`` as a Path if it is one; otherwise say so, with a hint when it looks like a Hub id."""
+    path = Path(directory)
+    if path.is_dir():
+        return path
+    message = f"{what} directory {directory} does not exist"
+    if len(path.parts) == 2 and not str(directory).startswith((".", "/", "~")):
+        message += (
+            f"; ddtree loads local directories: if {directory} is a Hugging Face Hub id, download it first "
+            f"(hf download {directory} --local-dir DIR) and pass DIR"
+        )
+    raise DDTreeError(message)
+
+
 def _read_config(directory: Path, what: str) -> dict:
-    if not directory.is_dir():
-        raise DDTreeError(f"{what} directory {directory} does not exist")
+    check_model_dir(directory, what)
     path = directory / "config.json"
     if not path.is_file():
         raise DDTreeError(f"{what} directory {directory} has no config.json")

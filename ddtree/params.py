@@ -1,4 +1,6 @@
-"""Sampling parameters of one request, validated once so the round loop never has to."""
+"""What a request may ask for, validated once so the round loop never has to: sampling parameters, the
+speculative method with its tree options, and the acceptance thresholds. Every entry point (engine, CLI,
+server, bench, training) checks with these functions, so a rule and its message live in one place."""
 
 from __future__ import annotations
 
@@ -9,6 +11,39 @@ from ddtree.errors import DDTreeError
 
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5
+METHODS = ("ddtree", "dflash", "ar")
+
+
+def check_speculative_options(method: str, budget: int, topk: int | None) -> tuple[str, int, int | None]:
+    """``method`` is one of METHODS, ``budget`` (tree nodes per round) and ``topk`` (candidates per depth,
+    None = no cap) are integers >= 1; returns them unchanged."""
+    if method not in METHODS:
+        raise DDTreeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if not _is_int(budget) or budget < 1:
+        raise DDTreeError(f"budget must be an integer >= 1, got {budget!r}")
+    if topk is not None and (not _is_int(topk) or topk < 1):
+        raise DDTreeError(f"topk must be an integer >= 1, got {topk!r}")
+    return method, budget, topk
+
+
+def check_accept_thresholds(single: float, acc: float) -> tuple[float, float]:
+    """SGLang's ``threshold_single`` and ``threshold_acc``: finite numbers in [0, 1]; returns them as floats.
+
+    (1, 1), the default, is lossless; anything lower accepts drafted tokens more often than the target
+    would emit them (faster, no longer the target's distribution).
+    """
+    for name, value in (("accept_threshold_single", single), ("accept_threshold_acc", acc)):
+        if not _is_number(value) or not 0.0 <= value <= 1.0:  # NaN fails both comparisons
+            raise DDTreeError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(single), float(acc)
+
+
+def lossy_threshold_fields(single: float, acc: float) -> dict[str, float]:
+    """The thresholds as stats and responses report them: both named when either is below 1.0 (lossy),
+    nothing at the lossless default."""
+    if single == 1.0 and acc == 1.0:
+        return {}
+    return {"accept_threshold_single": single, "accept_threshold_acc": acc}
 
 
 @dataclass(frozen=True)
@@ -67,23 +102,3 @@ def _is_number(value: object) -> bool:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-METHODS = ("ddtree", "dflash", "ar")
-
-
-def check_speculative_options(method: str, budget: int, topk: int | None) -> tuple[str, int, int | None]:
-    if method not in METHODS:
-        raise DDTreeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    if not _is_int(budget) or budget < 1:
-        raise DDTreeError(f"budget must be an integer >= 1, got {budget!r}")
-    if topk is not None and (not _is_int(topk) or topk < 1):
-        raise DDTreeError(f"topk must be an integer >= 1, got {topk!r}")
-    return method, budget, topk
-
-
-def check_accept_thresholds(single: float, acc: float) -> tuple[float, float]:
-    for name, value in (("accept_threshold_single", single), ("accept_threshold_acc", acc)):
-        if not _is_number(value) or not 0.0 <= value <= 1.0:
-            raise DDTreeError(f"{name} must be in [0, 1], got {value!r}")
-    return float(single), float(acc)

@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ddtree.errors import DDTreeError
-from ddtree.params import SamplingParams
+from ddtree.params import SamplingParams, check_accept_thresholds
 
 if TYPE_CHECKING:
     from ddtree.tree import DraftTree, TreeRetrieve
@@ -128,7 +127,6 @@ def tree_speculative_sampling_target_only(
     draft_probs: torch.Tensor,
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
-    deterministic: bool = True,
 ) -> None:
     """Tree rejection sampling with sgl_kernel's contract; writes predicts, accept_index, accept_token_num.
 
@@ -140,20 +138,19 @@ def tree_speculative_sampling_target_only(
     scratch where rejected tokens' target mass is recorded (mutated).
 
     Per row, node x's children are tried in sibling order with the coin uniform_samples[row, x]: child c
-    with target prob p (under x's row) is accepted iff p > 0 and (coin <= running_sum / threshold_acc or
-    p >= threshold_single). The bonus token after the last accepted node is drawn with the final coin from
-    max(target - draft_probs, 0) of that node, or from its plain target row when the walk used all S - 1
-    steps. The default thresholds are lossless; lower ones accept more often and are a deliberately lossy
-    speed option. ``deterministic`` exists for signature parity: this implementation always is.
+    with target prob p (under x's row) is accepted iff p > 0 and (coin < running_sum / threshold_acc or
+    p >= threshold_single), as in SGLang's current kernel. The test is strict so that, with coins uniform
+    on [0, 1), each child is accepted with exactly its probability (``<=`` would also take a child whose
+    running sum equals the coin, i.e. the previous sibling's share of [0, 1)). The bonus token after the
+    last accepted node is drawn with the final coin from max(target - draft_probs, 0) of that node, or
+    from its plain target row when the walk used all S - 1 steps; if rounding leaves that empty, it is the
+    node's last rejected child with target mass (V - 1 when there is none), as in the kernel.
 
-    Two deliberate departures from sgl_kernel, both only reachable at float edges: the ``p > 0`` guard (the
-    kernel accepts a zero-mass first child when the coin is exactly 0), and an empty residual yields the
-    last rejected token rather than token V - 1.
+    Thresholds take SGLang's whole domain [0, 1] (``threshold_acc`` is floored at 1e-9 like the kernel's
+    launcher does, so 0 accepts any child with target mass). The default (1, 1) is lossless; anything
+    lower accepts more often and is a deliberately lossy speed option.
     """
-    if not (0.0 < threshold_single <= 1.0 and 0.0 < threshold_acc <= 1.0):
-        raise DDTreeError(
-            f"acceptance thresholds must be in (0, 1], got single={threshold_single!r} acc={threshold_acc!r}"
-        )
+    threshold_single, threshold_acc = check_accept_thresholds(threshold_single, threshold_acc)
     bs, n = candidates.shape
     steps = accept_index.shape[1]
     vocab = target_probs.shape[-1]
@@ -185,7 +182,7 @@ def tree_speculative_sampling_target_only(
     cand_probs = target_probs[row_ids[:, None], parent_t, drafted].cpu().numpy()  # [bs, N] float32
     coins = uniform_samples.float().cpu().numpy()  # [bs, N] float32
     single = np.float32(threshold_single)
-    acc_scale = np.float32(threshold_acc)
+    acc_scale = np.float32(max(threshold_acc, 1e-9))
 
     paths: list[list[int]] = []
     rejected: list[tuple[int, int, int]] = []  # (row, node, token) whose mass leaves the residual
@@ -197,13 +194,15 @@ def tree_speculative_sampling_target_only(
             while child != -1:
                 p = cand_probs[b, child]
                 running = running + p
-                if p > 0 and (coins[b, cur] <= running / acc_scale or p >= single):
+                if p > 0 and (coins[b, cur] < running / acc_scale or p >= single):
                     break
                 rejected.append((b, cur, cand[b][child]))
-                last_rejected[b] = cand[b][child]
+                if p > 0:
+                    last_rejected[b] = cand[b][child]
                 child = next_sibling[b][child]
             if child == -1:
                 break
+            last_rejected[b] = -1  # the fallback is a rejected child of the node the bonus is drawn at
             path.append(child)
             cur = child
         paths.append(path)

@@ -103,3 +103,43 @@ def test_summary_rows_per_temperature_in_label_order():
     assert dflash["speedup"] == pytest.approx(1.5) and dflash["speedup_per_repeat"] == pytest.approx([1.5])
     assert dflash["acceptance_histogram"] == {3: 1} and dflash["output_tokens_mean"] == 4
     assert rows[0]["peak_memory_bytes"] == 2000 and rows[1]["stages"] is None
+
+
+def summary_with_coinciding_lines() -> list[dict]:
+    """ar and hf share tau 1.0; dflash's speedup equals ar's 1.0 (same TPOT)."""
+    return summarize(
+        [
+            rec("ar", acc=(1, 1)),
+            rec("hf", acc=(1, 1)),
+            rec("dflash", acc=(2,)),
+            rec("ddtree@8", method="ddtree", budget=8, acc=(3,)),
+            rec("ddtree@16", method="ddtree", budget=16, acc=(4,)),
+        ]
+    )
+
+
+def test_plot_keeps_coinciding_reference_lines_apart_and_labels_their_values(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from ddtree.bench import plots
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to inspect it
+    plots.plot_tau_speedup(summary_with_coinciding_lines(), tmp_path / "plot.png")
+    tau_axes, speedup_axes = figures[0].axes
+    for ax in (tau_axes, speedup_axes):
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        flat = [line for label, line in lines.items() if not label.startswith("ddtree")]
+        widths = [line.get_linewidth() for line in flat]
+        assert len(set(widths)) == len(widths)  # a line on top of another stays visible around it
+    assert {"ar 1.00", "hf 1.00"} <= {line.get_label() for line in tau_axes.get_lines()}
+    assert {"ar 1.00", "dflash 1.00"} <= {line.get_label() for line in speedup_axes.get_lines()}
+
+
+def test_results_md_says_which_budget_the_histogram_shows_and_why():
+    from ddtree.bench.report import _histogram_table, best_ddtree
+
+    rows = summary_with_coinciding_lines()
+    best = best_ddtree(rows, 0.0)
+    title = _histogram_table([r for r in rows if r["method"] in ("dflash", "ddtree")], best)[1]
+    assert best["budget"] == 16 and "ddtree at budget 16: the budget with the highest median speedup" in title

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -21,15 +23,28 @@ def model_dirs(tmp_path_factory):
     return save_models(tmp_path_factory.mktemp("models"))
 
 
-def ddtree(*args: str) -> subprocess.CompletedProcess:
+def ddtree(
+    *args: str, stdin: str | None = None, cwd=None, module: str = "ddtree.cli"
+) -> subprocess.CompletedProcess:
     env = os.environ | {"OMP_NUM_THREADS": "1"}  # tiny models; see conftest
+    if cwd is not None:  # the checkout, not an installed copy, wherever the process runs
+        env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
     return subprocess.run(
-        [sys.executable, "-m", "ddtree.cli", *map(str, args)],
+        [sys.executable, "-m", module, *map(str, args)],
         capture_output=True,
         text=True,
         timeout=300,
         env=env,
+        input=stdin,
+        cwd=cwd,
     )
+
+
+def assert_one_line_error(run: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert run.returncode == 2 and run.stdout == "", run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddtree: error: "), run.stderr
+    assert all(f in lines[0] for f in fragments), run.stderr
 
 
 def test_generate_streams_the_engines_greedy_text_and_prints_stats(model_dirs):
@@ -139,3 +154,130 @@ def test_engine_rejects_bad_values_with_ddtree_error():
         with pytest.raises(DDTreeError):
             SamplingParams(**bad)
     assert torch.is_grad_enabled()
+
+
+# -- conventions of vLLM / HF command lines ---------------------------------------------------------------
+
+
+def test_version_from_the_command_and_from_python_dash_m():
+    from ddtree import __version__
+
+    for run in (ddtree("--version"), ddtree("--version", module="ddtree")):
+        assert run.returncode == 0 and run.stdout.strip() == f"ddtree {__version__}", run.stderr
+
+
+def test_help_opens_with_whole_sentences_and_shows_defaults():
+    run = ddtree("--help", module="ddtree")
+    assert run.returncode == 0
+    description = run.stdout.split("\n\n")[1]
+    assert "``" not in description and description.rstrip().endswith(".")
+    generate = ddtree("generate", "--help").stdout
+    assert "--budget BUDGET" in generate and "(default: 16)" in generate and "examples:" in generate
+    assert "--draft-topk" in generate and "--topk" not in generate  # the old name works, unadvertised
+    drafter = ddtree("train", "drafter", "--help").stdout
+    defaults = {"--gamma": "0.0", "--anchors": "16", "--sample-fraction": "0.5", "--mask-token-id": "-1",
+                "--target-layer-ids": "''", "--max-minutes": "0.0"}  # fmt: skip
+    for flag, default in defaults.items():
+        assert flag in drafter and f"(default: {default})" in drafter, flag
+
+
+def parsers(parser: argparse.ArgumentParser, name: str = "ddtree"):
+    """Every parser of the command tree, with its command line."""
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, child in action.choices.items():
+                yield from parsers(child, f"{name} {sub}")
+
+
+def test_every_argument_of_every_command_has_a_help_line_and_an_example():
+    from ddtree.cli import build_parser
+
+    for name, parser in parsers(build_parser()):
+        for action in parser._actions:
+            if action.help is not argparse.SUPPRESS and not isinstance(action, argparse._SubParsersAction):
+                assert action.help, f"{name} {action.option_strings or action.dest} has no help"
+        if not any(isinstance(a, argparse._SubParsersAction) for a in parser._actions) and name != "ddtree":
+            assert parser.epilog and "ddtree " in parser.epilog, f"{name} has no example"
+
+
+def test_topk_is_draft_topk_under_its_old_name():
+    from ddtree.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["generate", "x", "--topk", "3"]).topk == 3
+    assert parser.parse_args(["serve", "--draft-topk", "5"]).topk == 5
+    assert parser.parse_args(["bench", "--draft-topk", "2"]).topk == 2
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_budget_defaults_to_the_fastest_measured_on_a_cpu(command):
+    from ddtree.cli import build_parser
+
+    args = build_parser().parse_args([command] + (["x"] if command == "generate" else []))
+    assert args.budget == 16 and args.accept_threshold_single == 1.0 and args.accept_threshold_acc == 1.0
+
+
+@pytest.mark.parametrize(
+    ("flags", "fragments"),
+    [
+        (["--device", "foo"], ["unknown device 'foo'"]),
+        (["--speculative-accept-threshold-single", "1.5"], ["accept_threshold_single", "[0, 1]"]),
+        (["--speculative-accept-threshold-acc", "nan"], ["accept_threshold_acc", "[0, 1]"]),
+        (["--draft-topk", "0"], ["topk must be an integer >= 1"]),
+    ],
+)
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_bad_engine_flags_fail_in_one_line_before_loading(command, flags, fragments):
+    run = ddtree(command, *(["def"] if command == "generate" else ["--port", "0"]), *flags)
+    assert_one_line_error(run, *fragments)
+    assert "listening" not in run.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+def test_cuda_on_a_machine_without_it_is_one_line(command, tmp_path):
+    args = {"generate": ["def"], "serve": ["--port", "0"], "bench": ["--out", tmp_path]}[command]
+    assert_one_line_error(ddtree(command, *args, "--device", "cuda"), "CUDA is not available")
+
+
+def test_prompt_from_stdin_or_a_file_matches_the_argument(model_dirs, tmp_path):
+    target_dir, drafter_dir = model_dirs
+    flags = ["--target", target_dir, "--drafter", drafter_dir, "--max-new-tokens", "8"]
+    prompt = "def fib(n):\n    "
+    expected = ddtree("generate", prompt, *flags)
+    assert expected.returncode == 0, expected.stderr
+    assert ddtree("generate", "-", *flags, stdin=prompt).stdout == expected.stdout
+    (tmp_path / "prompt.txt").write_text(prompt)
+    assert ddtree("generate", "--prompt-file", tmp_path / "prompt.txt", *flags).stdout == expected.stdout
+    assert_one_line_error(ddtree("generate", *flags), "give a PROMPT")
+    assert_one_line_error(
+        ddtree("generate", "x", "--prompt-file", tmp_path / "prompt.txt", *flags), "not both"
+    )
+    assert_one_line_error(ddtree("generate", "--prompt-file", tmp_path / "none.txt", *flags), "cannot read")
+
+
+def test_a_hub_id_as_target_gets_a_download_hint(tmp_path):
+    for command in (["generate", "def"], ["serve", "--port", "0"]):
+        run = ddtree(*command, "--target", "Qwen/Qwen3-0.6B", "--method", "ar", cwd=tmp_path)
+        assert_one_line_error(run, "Qwen/Qwen3-0.6B does not exist", "hf download Qwen/Qwen3-0.6B")
+
+
+def test_an_over_long_prompt_is_our_one_line_and_nothing_from_transformers(model_dirs, tmp_path):
+    target_dir, drafter_dir = model_dirs
+    short = tmp_path / "target"
+    shutil.copytree(target_dir, short)
+    config = json.loads((short / "tokenizer_config.json").read_text())
+    (short / "tokenizer_config.json").write_text(json.dumps(config | {"model_max_length": 8}))
+    run = ddtree("generate", "def fib(n): return n " * 20, "--target", short, "--drafter", drafter_dir)
+    assert_one_line_error(run, "exceeds the context of 64 tokens")
+
+
+def test_lossy_thresholds_reach_the_engine_and_its_stats(model_dirs):
+    target_dir, drafter_dir = model_dirs
+    run = ddtree("generate", "def", "--target", target_dir, "--drafter", drafter_dir, "--max-new-tokens", "8",
+                 "--temperature", "1", "--seed", "0", "--speculative-accept-threshold-single", "0",
+                 "--speculative-accept-threshold-acc", "0.5", "--stats")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    stats = json.loads(run.stderr[run.stderr.index("{") :])
+    assert stats["accept_threshold_single"] == 0.0 and stats["accept_threshold_acc"] == 0.5

@@ -145,11 +145,99 @@ def test_children_share_the_coin_of_their_parent_node():
         assert sample_tree(tree, retrieve, probs, coins, 0.0)[0] == expected
 
 
-def test_acceptance_compares_coin_less_or_equal_to_running_sum():
+def test_acceptance_compares_coin_strictly_below_running_sum():
     tree, retrieve = make_tree([-1, 0, 0], [0, 1, 2])
     probs = torch.tensor([[0.0, 0.5, 0.5], [1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
-    assert sample_tree(tree, retrieve, probs, torch.tensor([0.5, 0.0, 0.0]), 0.0)[0] == [0, 1]
-    assert sample_tree(tree, retrieve, probs, torch.tensor([0.5001, 0.0, 0.0]), 0.0)[0] == [0, 2]
+    assert sample_tree(tree, retrieve, probs, torch.tensor([0.4999, 0.0, 0.0]), 0.0)[0] == [0, 1]
+    assert sample_tree(tree, retrieve, probs, torch.tensor([0.5, 0.0, 0.0]), 0.0)[0] == [0, 2]
+    # The issue's example: children [1, 2, 3] with target probabilities [0.25, 0, 0.75] and coin 0.25.
+    tree, retrieve = make_tree([-1, 0, 0, 0], [0, 1, 2, 3])
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75]] + [[1.0, 0.0, 0.0, 0.0]] * 3)
+    nodes, tokens = sample_tree(tree, retrieve, probs, torch.tensor([0.25, 0.0, 0.0, 0.0]), 0.0)
+    assert nodes == [0, 3] and tokens[0] == 3
+
+
+def test_coins_on_a_uniform_grid_accept_each_child_exactly_its_probability():
+    """Coins k / 16 for k in [0, 16) are uniform on [0, 1); the strict test accepts child c for exactly
+    p(c) * 16 of them (``coin <= running sum`` would move one coin per boundary to the earlier child)."""
+    tree, retrieve = make_tree([-1, 0, 0, 0, 0], [0, 1, 2, 3, 4])
+    root = torch.tensor([0.0, 0.25, 0.0, 0.375, 0.375])
+    probs = torch.stack([root] + [one_hot_rows(5, [0])[0]] * 4)  # [N, V]
+    counts = [0] * 5
+    for k in range(16):
+        nodes, tokens = sample_tree(tree, retrieve, probs, torch.tensor([k / 16, 0, 0, 0, 0]), 0.0)
+        counts[tokens[0]] += 1
+    assert counts == (root * 16).int().tolist()
+
+
+# SGLang's test vectors (sgl-kernel test_speculative_sampling.py): two rows of 6 nodes, vocab 20; target rows
+# are one-hot up to float32 (logit 10 vs 1 at temperature 0.01), so any coins give the same result.
+SGLANG_ROWS = dict(
+    candidates=[[0, 1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]],
+    retrive_index=[[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]],
+    retrive_next_token=[[1, 2, -1, 4, 5, -1], [4, 2, 3, -1, 5, -1]],
+    retrive_next_sibling=[[-1, 3, -1, -1, -1, -1], [-1, -1, -1, -1, 1, -1]],
+)
+SGLANG_EXPECTED = (
+    [3, -1, -1, 4, 5, 18, 11, -1, -1, -1, 12, 18],  # predicts
+    [[0, 3, 4, 5], [6, 10, 11, -1]],  # accept_index
+    [3, 2],  # accept_token_num
+)
+
+
+@pytest.mark.parametrize("threshold_single, threshold_acc", [(1, 1), (0, 0)])
+def test_sglang_vectors_for_default_and_zero_thresholds(threshold_single, threshold_acc):
+    """(0, 0) accepts any drafted token with positive target mass, so on one-hot targets it walks the
+    same path as (1, 1): zero-mass candidates (row 0's token 1) are still refused."""
+    logits = torch.full((2, 6, 20), 1.0)
+    for row, node, token in [(0, 0, 3), (0, 3, 4), (0, 4, 5), (1, 0, 11), (1, 4, 12)]:
+        logits[row, node, token] = 10
+    logits[..., 18] = torch.where(logits.amax(-1) < 10, 10.0, logits[..., 18])  # rows with no hot token
+    target_probs = torch.softmax(logits / 0.01, dim=-1)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        predicts = torch.full((12,), -1, dtype=torch.int32)
+        accept_index = torch.full((2, 4), -1, dtype=torch.int32)
+        accept_token_num = torch.zeros(2, dtype=torch.int32)
+        tree_speculative_sampling_target_only(
+            predicts,
+            accept_index,
+            accept_token_num,
+            **{name: torch.tensor(rows) for name, rows in SGLANG_ROWS.items()},
+            uniform_samples=torch.rand(2, 6, generator=gen),
+            uniform_samples_for_final_sampling=torch.rand(2, generator=gen),
+            target_probs=target_probs,
+            draft_probs=torch.zeros_like(target_probs),
+            threshold_single=threshold_single,
+            threshold_acc=threshold_acc,
+        )
+        assert (predicts.tolist(), accept_index.tolist(), accept_token_num.tolist()) == SGLANG_EXPECTED
+
+
+@pytest.mark.parametrize(
+    "candidate_tokens, root_probs, coin, threshold_single, expected_token, expected_accepted",
+    [
+        ([2], [0.0, 1.0, 0.0], 0.0, 0.0, 1, 0),  # zero mass, zero threshold: refused, bonus token 1
+        ([2], [0.0, 1.0, 0.0], 0.0, 1.0, 1, 0),  # zero mass, default threshold
+        ([1, 2, 3], [0.0, 0.25, 0.0, 0.75], 0.25, 1.0, 3, 1),  # a coin on a boundary goes to the next child
+        ([1], [0.0, 0.25, 0.75], 0.0, 1.0, 1, 1),  # coin 0 accepts a first child with mass
+        ([1], [0.0, 1.0], 1.0 - 2**-24, 1.0, 1, 1),  # the largest float32 coin below 1
+    ],
+)
+def test_sglang_cdf_boundary_vectors(
+    candidate_tokens, root_probs, coin, threshold_single, expected_token, expected_accepted
+):
+    tree, retrieve = make_tree([-1] + [0] * len(candidate_tokens), [0, *candidate_tokens])
+    n = len(candidate_tokens) + 1
+    probs = torch.zeros(1, n, len(root_probs))
+    probs[0, 0] = torch.tensor(root_probs)
+    probs[0, 1:, 0] = 1.0
+    coins = torch.zeros(1, n)
+    coins[0, 0] = coin
+    predicts, _, num, _ = run_kernel(
+        [(tree, retrieve)], probs, coins, torch.zeros(1), 2, threshold_single=threshold_single
+    )
+    assert predicts[0].item() == expected_token and num.tolist() == [expected_accepted]
 
 
 def test_default_thresholds_reject_what_lowered_thresholds_accept():
@@ -163,14 +251,16 @@ def test_default_thresholds_reject_what_lowered_thresholds_accept():
     assert accepted() == 0
     assert accepted(threshold_single=1e-6) == 1  # any positive-mass child passes
     assert accepted(threshold_single=0.02) == 0
-    assert accepted(threshold_acc=0.01) == 1  # 0.99 <= 0.01 / 0.01
+    assert accepted(threshold_acc=0.01) == 1  # 0.99 < 0.01 / 0.01
     assert accepted(threshold_acc=0.0102) == 0
+    assert accepted(threshold_single=0.0) == 1  # 0 is in SGLang's domain: any positive-mass child passes
+    assert accepted(threshold_acc=0.0) == 1  # floored at 1e-9, as the kernel's launcher does
 
 
 def test_zero_mass_candidates_are_never_accepted_even_with_coin_zero():
     tree, retrieve = make_tree([-1, 0, 0], [0, 1, 2])
     probs = torch.tensor([[0.3, 0.0, 0.7], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
-    for thresholds in [{}, {"threshold_single": 1e-9}, {"threshold_acc": 1e-9}]:
+    for thresholds in [{}, {"threshold_single": 0.0}, {"threshold_acc": 0.0}]:
         coins = torch.tensor([[0.0, 0.0, 0.0]])
         predicts, accept_index, num, _ = run_kernel(
             [(tree, retrieve)], probs[None], coins, torch.tensor([0.0]), 2, **thresholds
@@ -255,8 +345,8 @@ def test_sample_tree_returns_equal_length_nodes_and_tokens():
 def test_thresholds_outside_unit_interval_are_rejected():
     tree, retrieve = make_tree([-1, 0], [0, 1])
     args = ([(tree, retrieve)], torch.full((1, 2, 2), 0.5), torch.zeros(1, 2), torch.zeros(1), 2)
-    for bad in [{"threshold_acc": 0.0}, {"threshold_single": 0.0}, {"threshold_acc": 1.5}]:
-        with pytest.raises(DDTreeError):
+    for bad in [{"threshold_acc": -0.1}, {"threshold_single": float("nan")}, {"threshold_acc": 1.5}]:
+        with pytest.raises(DDTreeError, match=r"must be a number in \[0, 1\]"):
             run_kernel(*args, **bad)
 
 
@@ -381,7 +471,7 @@ def test_emitted_tokens_follow_the_target_distribution():
 
 
 def test_lossy_threshold_fails_the_same_distribution_check():
-    """Accepting when coin <= 1.2 * running sum biases the output; the check must notice."""
+    """Accepting when coin < 1.2 * running sum biases the output; the check must notice."""
     observed, expected = sampled_pairs(threshold_acc=1 / 1.2)
     assert chi2_p(observed.view(5, 5).sum(1), expected.view(5, 5).sum(1)) < 1e-6
     assert chi2_p(observed, expected) < 1e-6

@@ -14,7 +14,7 @@ from ddtree.server import ServerConfig, create_app
 from ddtree.server.chat import plain_prompt
 from ddtree.server.tokens import TokenNames
 from tests.conftest import save_models
-from tests.test_server_support import sse_events
+from tests.server_helpers import sse_events
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -99,8 +99,10 @@ BAD_REQUESTS = [
     (CH, CHAT | {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", None),
     (CH, CHAT | {"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
     (CH, CHAT | {"top_logprobs": 2}, "top_logprobs", None),
-    (CH, CHAT | {"tools": [{"type": "function"}]}, "tools", None),
-    (CH, CHAT | {"response_format": {"type": "json_object"}}, "response_format.type", None),
+    (CH, CHAT | {"tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
+    (CH, CHAT | {"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+    (CH, CHAT | {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format",
+     "unsupported_parameter"),
 ]
 # fmt: on
 
@@ -157,6 +159,35 @@ def test_completion_stream_chunks_usage_and_stats(http, engine):
     assert (
         len(finishing) == 1
         and finishing[0]["ddtree"]["acceptance_lengths"] == expected.stats.acceptance_lengths
+    )
+
+
+def test_lossless_responses_name_no_thresholds_and_lossy_ones_name_both(http, model_dirs):
+    body = COMPLETION | {"temperature": 1, "seed": 0, "n": 2}
+    assert not any(k.startswith("accept_threshold") for k in http.post(C, json=body).json()["ddtree"])
+    lossy = Engine.from_pretrained(
+        *model_dirs, budget=16, accept_threshold_single=0.0, accept_threshold_acc=0.5
+    )
+    client = start(lambda: lossy)
+    try:
+        wait_until_ready(client)
+        whole = client.post(C, json=body).json()["ddtree"]
+        stream = client.post(CH, json=CHAT | {"stream": True, "stream_options": {"include_usage": True}})
+        stats = [e["ddtree"] for e in sse_events(stream.text.splitlines())[:-1] if e.get("ddtree")]
+    finally:
+        client.__exit__(None, None, None)
+    assert len(stats) == 2  # the finishing chunk and the usage chunk
+    for s in [whole, *stats]:
+        assert s["accept_threshold_single"] == 0.0 and s["accept_threshold_acc"] == 0.5
+
+
+def test_unsupported_parameters_are_refused_in_our_words(http):
+    tools = error_of(http.post(CH, json=CHAT | {"tools": [{"type": "function"}]}), 400)
+    assert tools["message"] == "tools (function calling) are not supported by this server"
+    assert http.post(CH, json=CHAT | {"tools": [], "response_format": {"type": "text"}}).status_code == 200
+    json_format = error_of(http.post(CH, json=CHAT | {"response_format": {"type": "json_object"}}), 400)
+    assert (
+        json_format["message"] == "response_format 'json_object' is not supported by this server; only 'text'"
     )
 
 

@@ -18,7 +18,7 @@ import pytest
 from ddtree.engine import Engine
 from ddtree.server import ServerConfig, create_app
 from tests.conftest import tiny_models
-from tests.test_server_support import ThreadServer, metric, scrape
+from tests.server_helpers import ThreadServer, metric, scrape
 
 
 class GatedEngine:

@@ -17,8 +17,8 @@ from ddtree.engine import Engine
 from ddtree.params import SamplingParams
 from ddtree.server.chat import plain_prompt
 from tests.conftest import save_models
+from tests.server_helpers import ServerProcess, metric, scrape, server_env, sse_events
 from tests.test_engine_greedy import round_spans
-from tests.test_server_support import ServerProcess, metric, scrape, server_env, sse_events
 
 PROMPTS = ["def fib", "import os", "return n", "    if n < 2:", "fibonacci(", "class A:", "x = 1", "# note"]
 BUDGET = 16

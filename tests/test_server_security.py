@@ -19,7 +19,7 @@ from ddtree.errors import DDTreeError
 from ddtree.server.auth import api_keys, open_access_warning
 from ddtree.server.run import serve
 from tests.conftest import CONTEXT, save_models
-from tests.test_server_support import ServerProcess, server_env
+from tests.server_helpers import ServerProcess, server_env
 
 KEYS = ("key-one-7f3a9c", "key-two-51be20")
 METRICS_KEY = "metrics-key-c0ffee"

@@ -13,10 +13,17 @@ import sys
 import time
 from pathlib import Path
 
+from ddtree.argparsing import Parser, add_draft_topk
 from ddtree.errors import DDTreeError
 
 DEFAULT_METHODS = "ar,dflash,ddtree,hf,hf-pld"
 DEFAULT_BUDGETS = "4,8,16,32,64,128"
+DESCRIPTION = """\
+Measure tau, TPOT and speedup of ar / dflash / ddtree and HF generate / prompt lookup on the
+same prompts, interleaved; writes results.json, results.md and two plots to --out."""
+EXAMPLES = """examples:
+  ddtree bench --out runs/bench        # the default grid: about 15 minutes on 2 CPU cores
+  ddtree bench --methods ar,ddtree --budgets 8,16 --num-prompts 4 --repeats 1 --temperatures 0"""
 
 
 def _csv(kind: type, what: str):
@@ -36,32 +43,44 @@ def _csv(kind: type, what: str):
 
 def add_bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", type=_csv(str, "--methods"), default=DEFAULT_METHODS,
-                   help=f"comma-separated, from ar,dflash,ddtree,hf,hf-pld (default {DEFAULT_METHODS}); "
+                   help="comma-separated, from ar,dflash,ddtree,hf,hf-pld; "
                    "hf = HF generate(), hf-pld = its prompt lookup decoding")  # fmt: skip
     p.add_argument("--budgets", type=_csv(int, "--budgets"), default=DEFAULT_BUDGETS,
-                   help=f"ddtree budgets (default {DEFAULT_BUDGETS})")  # fmt: skip
-    p.add_argument("--temperatures", type=_csv(float, "--temperatures"), default="0,1", help="default 0,1")
-    p.add_argument("--prompts", default="builtin", help="'builtin' (default) or a FILE.jsonl")
-    p.add_argument("--num-prompts", type=int, default=16, help="first N prompts (default 16; 0 = all)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3, help="timed passes over all prompts (default 3)")
+                   help="ddtree budgets, comma-separated")  # fmt: skip
+    p.add_argument("--temperatures", type=_csv(float, "--temperatures"), default="0,1",
+                   help="sampling temperatures, comma-separated; 0 = greedy")  # fmt: skip
+    p.add_argument("--prompts", default="builtin", help="'builtin' or a FILE.jsonl")
+    p.add_argument("--num-prompts", type=int, default=16, help="first N prompts; 0 = all")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per response")
+    p.add_argument("--repeats", type=int, default=3, help="timed passes over all prompts")
     p.add_argument("--warmup", type=int, default=1, help="untimed prompts run first by every config")
     p.add_argument("--seed", type=int, default=0, help="base seed; each (prompt, repeat) derives its own")
-    p.add_argument("--topk", type=int, default=None, help="ddtree: cap on candidates per tree depth")
+    add_draft_topk(p)
     p.add_argument("--pld-tokens", type=int, default=10, help="hf-pld: prompt_lookup_num_tokens")
-    p.add_argument("--target", type=Path, default=None, help="HF target model directory (default: built-in)")
-    p.add_argument("--drafter", type=Path, default=None, help="DFlash drafter directory (default: built-in)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument(
+        "--target", type=Path, default=None, help="HF target model directory (the built-in one if omitted)"
+    )
+    p.add_argument(
+        "--drafter", type=Path, default=None, help="DFlash drafter directory (the built-in one if omitted)"
+    )
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model weights"
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (torch's default if omitted)")
     p.add_argument("--tree-vocab", type=int, default=32768,
-                   help="vocabulary of the tree-build timing (default 32768; 0 = skip it)")  # fmt: skip
+                   help="vocabulary of the tree-build timing; 0 = skip it")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def register_bench(subparsers: argparse._SubParsersAction) -> None:
-    bench = subparsers.add_parser("bench", help="benchmark ar / dflash / ddtree (tau, TPOT, speedup)")
+    bench = subparsers.add_parser(
+        "bench",
+        help="benchmark ar / dflash / ddtree (tau, TPOT, speedup)",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+    )
     add_bench_options(bench)
     bench.set_defaults(func=run_bench_command)
 
@@ -71,7 +90,7 @@ def load_engine(args: argparse.Namespace, needs_drafter: bool):
     import torch
 
     from ddtree.engine import Engine
-    from ddtree.models import DEFAULT_DRAFTER, DEFAULT_TARGET
+    from ddtree.models import DEFAULT_DRAFTER, DEFAULT_TARGET, check_device
 
     if args.target is None and not DEFAULT_TARGET.is_dir():
         raise DDTreeError("the built-in models are not installed; pass --target (and --drafter)")
@@ -81,12 +100,7 @@ def load_engine(args: argparse.Namespace, needs_drafter: bool):
         drafter = None
     elif drafter is None:
         raise DDTreeError("methods dflash and ddtree need --drafter when --target is given")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise DDTreeError(f"unknown device {args.device!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DDTreeError("--device cuda given but CUDA is not available")
+    device = check_device(args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     method = "ddtree" if drafter is not None else "ar"
     return Engine.from_pretrained(target, drafter, method=method, device=device, dtype=dtype), target, drafter
@@ -180,20 +194,16 @@ def run_bench_command(args: argparse.Namespace) -> None:
         sys.exit(MISMATCH_EXIT_CODE)
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors, like the main ``ddtree`` parser's (which cannot be imported here:
-    ``ddtree.cli`` imports this module)."""
-
-    def error(self, message: str):
-        raise DDTreeError(message)
-
-
 def main(argv: list[str] | None = None) -> None:
     """``python -m ddtree.bench``: the same command without the main ``ddtree`` parser."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # as the main CLI: stderr is for our progress bar and errors
-    parser = _Parser(prog="ddtree bench", description=__doc__.splitlines()[0])
+    parser = Parser(
+        prog="ddtree bench",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+    )
     add_bench_options(parser)
     try:
         args = parser.parse_args(argv)

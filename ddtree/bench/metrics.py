@@ -19,6 +19,8 @@ from __future__ import annotations
 import statistics
 from collections import Counter, defaultdict
 
+from ddtree.stats import mean_acceptance_length
+
 FORWARD_STAGES = ("draft", "verify")  # the stages that hold the drafter and target forwards
 REFERENCE = "ar"  # the label every speedup divides by, and the T = 0 reference output
 
@@ -67,7 +69,7 @@ DEFINITIONS = {
 def response_tau(record: dict) -> float | None:
     """Mean acceptance length of one response; None when it had no decode round."""
     lengths = record["acceptance_lengths"]
-    return sum(lengths) / len(lengths) if lengths else None
+    return mean_acceptance_length(lengths) if lengths else None
 
 
 def tau(records: list[dict]) -> float | None:

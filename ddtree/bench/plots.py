@@ -36,10 +36,16 @@ def plot_tau_speedup(rows: list[dict], path: Path) -> None:
                 ax.plot(*zip(*points, strict=True), "o-", color="tab:blue", label="ddtree")
                 ax.set_xscale("log", base=2)
                 ax.set_xticks([b for b, _ in points], [str(b) for b, _ in points])
-            for r in mine:
-                if r["method"] != "ddtree" and r[key] is not None:
-                    color, style = _REFERENCE_STYLE.get(r["label"], ("gray", "--"))
-                    ax.axhline(r[key], color=color, linestyle=style, label=r["label"])
+            # Reference lines often coincide (hf's tau is ar's 1.0; dflash's speedup can sit on ar's):
+            # each is drawn thinner than the one before, so coinciding lines show as nested stripes,
+            # and the legend gives every value.
+            references = [r for r in mine if r["method"] != "ddtree" and r[key] is not None]
+            for i, r in enumerate(references):
+                color, style = _REFERENCE_STYLE.get(r["label"], ("gray", "--"))
+                width = 1.2 + 1.2 * (len(references) - 1 - i)
+                ax.axhline(
+                    r[key], color=color, linestyle=style, linewidth=width, label=f"{r['label']} {r[key]:.2f}"
+                )
             ax.set_xlabel("budget (tree nodes per round)")
             ax.set_ylabel(name)
             ax.set_title(f"{name}, T = {temperature:g}")

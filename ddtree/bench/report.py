@@ -47,7 +47,8 @@ def markdown(results: dict) -> str:
         out += _main_table(mine, machine["memory_kind"])
         out += _stage_table([r for r in mine if r["stages"] is not None])
         chain = next((r for r in mine if r["method"] == "dflash"), None)
-        out += _histogram_table([r for r in (chain, best_ddtree(rows, temperature)) if r is not None])
+        best = best_ddtree(rows, temperature)
+        out += _histogram_table([r for r in (chain, best) if r is not None], best)
     out += _tree_build_table(results.get("tree_build") or [])
     out += ["", "## Definitions", ""]
     out += [f"- **{name}**: {text}" for name, text in DEFINITIONS.items()]
@@ -110,13 +111,19 @@ def _stage_table(rows: list[dict]) -> list[str]:
     return out
 
 
-def _histogram_table(rows: list[dict]) -> list[str]:
+def _histogram_table(rows: list[dict], best: dict | None) -> list[str]:
     if not rows:
         return []
     lengths = sorted({int(k) for r in rows for k in r["acceptance_histogram"]})
+    title = "Acceptance lengths (share of rounds)"
+    if best is not None:
+        title += (
+            f"; ddtree at budget {best['budget']}: the budget with the highest median speedup at this "
+            "temperature (the highest tau when no speedup is known), as in acceptance_histogram.png"
+        )
     out = [
         "",
-        "Acceptance lengths (share of rounds):",
+        title + ":",
         "",
         "| config | " + " | ".join(map(str, lengths)) + " |",
         "|---|" + "--:|" * len(lengths),

@@ -17,9 +17,9 @@ from ddtree.bench.hf import hf_generate
 from ddtree.bench.machine import peak_memory_bytes, reset_peak_memory
 from ddtree.bench.prompts import Prompt
 from ddtree.errors import DDTreeError
-from ddtree.params import SamplingParams
+from ddtree.params import METHODS, SamplingParams, check_speculative_options
 
-ENGINE_METHODS = ("ar", "dflash", "ddtree")
+ENGINE_METHODS = METHODS
 HF_METHODS = ("hf", "hf-pld")
 ALL_METHODS = ENGINE_METHODS + HF_METHODS
 
@@ -58,8 +58,10 @@ class BenchConfig:
             raise DDTreeError("--methods lists a method twice")
         if "ddtree" in self.methods and not self.budgets:
             raise DDTreeError("method 'ddtree' needs at least one budget")
-        if any(b < 1 for b in self.budgets) or len(set(self.budgets)) != len(self.budgets):
-            raise DDTreeError("--budgets must be distinct integers >= 1")
+        for budget in self.budgets:
+            check_speculative_options("ddtree", budget, self.topk)
+        if len(set(self.budgets)) != len(self.budgets):
+            raise DDTreeError("--budgets lists a budget twice")
         if not self.temperatures or any(t < 0 for t in self.temperatures):
             raise DDTreeError("--temperatures must be numbers >= 0")
         if len(set(self.temperatures)) != len(self.temperatures):
@@ -69,8 +71,6 @@ class BenchConfig:
                 raise DDTreeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
             raise DDTreeError(f"--warmup must be >= 0, got {self.warmup}")
-        if self.topk is not None and self.topk < 1:
-            raise DDTreeError(f"--topk must be >= 1, got {self.topk}")
 
     @property
     def specs(self) -> list[Spec]:

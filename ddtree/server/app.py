@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -40,9 +40,12 @@ NOT_READY = {
 }
 
 
+DEFAULT_MODEL_NAME = "ddtree-default"  # the built-in pair's; a served target directory gives its own name
+
+
 @dataclass(frozen=True)
 class ServerConfig:
-    model_name: str = "ddtree"
+    model_name: str = DEFAULT_MODEL_NAME
     max_queue: int = 64  # requests that may wait for the engine besides the one it runs
     request_timeout: float = 600.0  # seconds from arrival to the last token, queue wait included
     engine_stop_timeout: float = 5.0  # how long the app's shutdown waits for the engine thread to stop
@@ -91,10 +94,6 @@ class ServerState:
         if error is not None:
             raise error
         return self.worker.engine
-
-
-def get_state(request: Request) -> ServerState:
-    return request.app.state.ddtree
 
 
 def load_model(engine_factory: Callable[[], object]) -> ServedModel:

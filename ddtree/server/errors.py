@@ -64,8 +64,8 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return APIError(400, message, "invalid_request_error", param, code)
 
 
-def unsupported(param: str) -> APIError:
-    return invalid(f"{param} is not supported by this server", param, "unsupported_parameter")
+def unsupported(param: str, message: str | None = None) -> APIError:
+    return invalid(message or f"{param} is not supported by this server", param, "unsupported_parameter")
 
 
 def validation_error(exc: RequestValidationError) -> APIError:

@@ -14,7 +14,7 @@ from functools import partial
 
 from fastapi import APIRouter, Request
 
-from ddtree.params import SamplingParams
+from ddtree.params import SamplingParams, lossy_threshold_fields
 from ddtree.server.chat import message_dicts
 from ddtree.server.errors import APIError, invalid, unsupported
 from ddtree.server.events import EventStreamResponse, event_stream, job_items
@@ -80,6 +80,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     _check_model(request, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    if body.tools:
+        raise unsupported("tools", "tools (function calling) are not supported by this server")
+    if body.response_format is not None and body.response_format.type != "text":
+        message = (
+            f"response_format {body.response_format.type!r} is not supported by this server; only 'text'"
+        )
+        raise unsupported("response_format", message)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     plan = Plan(
         params=_sampling_params(body, logprobs),
@@ -98,6 +105,8 @@ async def _answer(
     """Queue the plan, wait for the engine's verdict on it, then answer whole or as a stream."""
     state = request.app.state.ddtree
     model = state.model()  # 503 while loading
+    engine = model.engine
+    answer.thresholds = lossy_threshold_fields(engine.accept_threshold_single, engine.accept_threshold_acc)
     metrics, config = state.metrics, state.config
     check_plan(plan, model.max_positions, state.token_chars, config.limits)
     job = Job(partial(run_plan, plan=plan, metrics=metrics), asyncio.get_running_loop())

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from ddtree.params import METHODS
 
 MAX_N = 16  # choices per request; each is a whole generation on the one engine
 MAX_PROMPTS = 16  # prompts in one batched completions request
@@ -21,7 +23,7 @@ MAX_TOPK = 1 << 20
 INT64 = 1 << 63
 
 FinishReason = Literal["stop", "length"]
-Method = Literal["ddtree", "dflash", "ar"]
+Method = Literal[METHODS]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 _T = TypeVar("_T")
 Batch = Annotated[list[_T], Field(max_length=MAX_PROMPTS)]
@@ -96,7 +98,10 @@ class ChatMessage(_Strict):
 
 
 class ResponseFormat(_Strict):
-    type: Literal["text"]
+    """Only ``{"type": "text"}`` is served; another type (with its schema) is refused by name."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -107,7 +112,7 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true")
     response_format: ResponseFormat | None = None
-    tools: list[dict] | None = Field(None, max_length=0, description="tools are not supported")
+    tools: list[dict] | None = Field(None, description="not supported: only an empty list is accepted")
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = None
 
@@ -122,13 +127,26 @@ class Usage(BaseModel):
 
 
 class SpeculativeStats(BaseModel):
-    """Extension: what speculation bought. ``tau`` is the mean of ``acceptance_lengths`` (one per round)."""
+    """Extension: what speculation bought. ``tau`` is the mean of ``acceptance_lengths`` (one per round).
+
+    The acceptance thresholds appear only when the server runs lossy ones (below 1.0).
+    """
 
     method: str
     budget: int
     tau: float
     rounds: int
     acceptance_lengths: list[int]
+    accept_threshold_single: float | None = None
+    accept_threshold_acc: float | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_lossless_thresholds(self, handler) -> dict:
+        out = handler(self)
+        if self.accept_threshold_single is None:
+            out.pop("accept_threshold_single", None)
+            out.pop("accept_threshold_acc", None)
+        return out
 
 
 class CompletionLogprobs(BaseModel):

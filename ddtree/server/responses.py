@@ -30,6 +30,7 @@ from ddtree.server.protocol import (
     TopLogprob,
     Usage,
 )
+from ddtree.stats import mean_acceptance_length
 
 
 @dataclass
@@ -51,9 +52,11 @@ def total_stats(stats: list[SpeculativeStats]) -> SpeculativeStats | None:
     return SpeculativeStats(
         method=stats[0].method,
         budget=stats[0].budget,
-        tau=sum(lengths) / len(lengths) if lengths else 0.0,
+        tau=mean_acceptance_length(lengths),
         rounds=len(lengths),
         acceptance_lengths=lengths,
+        accept_threshold_single=stats[0].accept_threshold_single,
+        accept_threshold_acc=stats[0].accept_threshold_acc,
     )
 
 
@@ -68,6 +71,7 @@ class _Answer:
         self.logprobs = logprobs
         self.prompt_tokens = 0
         self.choices: dict[int, _Choice] = {}
+        self.thresholds: dict[str, float] = {}  # the engine's lossy acceptance thresholds, if any
 
     def start(self, started: Started) -> None:
         self.prompt_tokens = started.prompt_tokens
@@ -79,7 +83,7 @@ class _Answer:
         choice.logprobs += piece.logprobs
         if piece.finish_reason is not None:
             choice.finish_reason = piece.finish_reason
-            choice.stats = piece.stats
+            choice.stats = piece.stats.model_copy(update=self.thresholds) if piece.stats else None
         return choice
 
     def usage(self) -> Usage:
@@ -132,7 +136,7 @@ class CompletionAnswer(_Answer):
         item = CompletionChoice(
             index=piece.index, text=piece.text, logprobs=logprobs, finish_reason=piece.finish_reason
         )
-        return [self._chunk([item], stats=piece.stats)]
+        return [self._chunk([item], stats=choice.stats)]
 
     def _chunk(
         self, choices: list, usage: Usage | None = None, stats: SpeculativeStats | None = None
@@ -186,7 +190,7 @@ class ChatAnswer(_Answer):
             out.append(self._chunk([ChatChunkChoice(index=piece.index, delta=delta, logprobs=logprobs)]))
         if piece.finish_reason is not None:
             end = ChatChunkChoice(index=piece.index, delta=DeltaMessage(), finish_reason=piece.finish_reason)
-            out.append(self._chunk([end], stats=piece.stats))
+            out.append(self._chunk([end], stats=choice.stats))
         return out
 
     def _chunk(

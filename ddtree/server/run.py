@@ -22,8 +22,9 @@ import uvicorn
 from uvicorn.config import LOGGING_CONFIG
 
 from ddtree.errors import DDTreeError
+from ddtree.models import check_model_dir
 from ddtree.server import limits
-from ddtree.server.app import ServerConfig, create_app
+from ddtree.server.app import DEFAULT_MODEL_NAME, ServerConfig, create_app
 from ddtree.server.auth import API_KEY_ENV, api_keys, open_access_warning
 
 LOAD_DELAY_ENV = "DDTREE_TEST_LOAD_DELAY"  # test hook: seconds to sleep before loading (a slow disk)
@@ -33,7 +34,9 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
     p.add_argument(
-        "--served-model-name", default=None, help="model id clients use (default: target dir name)"
+        "--served-model-name",
+        default=None,
+        help=f"model id clients use (the target directory's name; {DEFAULT_MODEL_NAME} for the built-ins)",
     )
     p.add_argument(
         "--max-queue", type=int, default=64, help="requests that may wait for the engine; more get 429"
@@ -44,7 +47,12 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM"
     )
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's and the server's log level",
+    )
     p.add_argument("--access-log", action="store_true", help="log every request")
     add_security_options(p)
 
@@ -130,10 +138,8 @@ def run_app(app, sock: socket.socket, shutdown_timeout: float, level: str = "inf
 
 
 def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespace], object]) -> None:
-    """The ``serve`` command: checks flags, binds, serves; raises DDTreeError for the CLI's exit 2."""
-    from ddtree.engine import check_engine_options
-
-    check_engine_options(args.method, args.budget, args.topk, has_drafter=True)
+    """The ``serve`` command: checks the server's flags, binds, serves; raises DDTreeError for the CLI's
+    exit 2. The engine's flags are the caller's to check (``ddtree.cli.check_engine_flags``)."""
     if not 0 <= args.port <= 65535:
         raise DDTreeError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_queue < 0:
@@ -144,8 +150,8 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
         if getattr(args, flag) < 1:
             raise DDTreeError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     keys = api_keys(args.api_key, os.environ)
-    if args.target is not None and not Path(args.target).is_dir():
-        raise DDTreeError(f"target directory {args.target} does not exist")
+    if args.target is not None:
+        check_model_dir(args.target, "target")
     delay = float(os.environ.get(LOAD_DELAY_ENV, "0") or 0)
 
     sock = bind(args.host, args.port)
@@ -167,7 +173,7 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
         app.state.uvicorn.should_exit = True
 
     config = ServerConfig(
-        model_name=args.served_model_name or (Path(args.target).name if args.target else "ddtree-default"),
+        model_name=args.served_model_name or (Path(args.target).name if args.target else DEFAULT_MODEL_NAME),
         max_queue=args.max_queue,
         request_timeout=args.request_timeout,
         api_keys=keys,

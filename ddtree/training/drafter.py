@@ -42,13 +42,31 @@ from ddtree.training.distill import (
     read_prompts,
     weights_fingerprint,
 )
-from ddtree.training.flags import add_dataclass_flags, check_config, dataclass_from_args
+from ddtree.training.flags import COMMON_HELP, add_dataclass_flags, check_config, dataclass_from_args
 from ddtree.training.loop import autocast, lr_at, make_optimizer, progress, step_bar
 
 DATA = "data.pt"
 METRICS = "training.json"
 MASK_TOKEN = "<|mask|>"
 GAMMAS = {8: 4.0, 10: 5.0, 16: 7.0}  # DFlash's loss-decay constants per block size
+DRAFTER_HELP = {
+    "num_layers": "drafter transformer layers",
+    "block_size": "tokens per draft block (the root and block_size - 1 drafts)",
+    "target_layer_ids": "comma-separated target layers to take features from; '' = DFlash's rule",
+    "mask_token_id": "token id of the mask placeholder; -1 = the tokenizer's <|mask|>",
+    "gamma": "loss decay over block positions; 0 = DFlash's value for the block size (7 for 16)",
+    "num_sequences": "target continuations to generate as training data",
+    "prompt_min": "shortest prompt, in tokens",
+    "prompt_max": "longest prompt, in tokens",
+    "continuation": "tokens the target continues each prompt with",
+    "sample_fraction": "share of generation batches sampled at T=1 (the rest greedy)",
+    "gen_batch_size": "prompts per target generation batch",
+    "anchors": "blocks per sequence per step (random anchor positions)",
+    "eval_prompts": "held-out prompts for the final tau evaluation; 0 = skip it",
+    "eval_prompt_len": "tokens per held-out prompt",
+    "eval_new_tokens": "tokens generated per held-out prompt",
+    "eval_budget": "ddtree budget of the final evaluation",
+}
 
 
 @dataclass(frozen=True)
@@ -378,12 +396,13 @@ def evaluate_tau(
     """Greedy tau (tokens per target forward) of ``dflash`` and ``ddtree`` on ``prompts``, pooled over
     rounds, and whether both reproduced method ``ar`` token for token (they must: decoding is lossless)."""
     from ddtree.engine import Engine
-    from ddtree.params import SamplingParams
+    from ddtree.params import METHODS, SamplingParams
+    from ddtree.stats import mean_acceptance_length
 
     params = SamplingParams(max_new_tokens=new_tokens)
     result: dict = {"prompts": len(prompts), "new_tokens": new_tokens, "budget": budget}
     outputs: dict[str, list[list[int]]] = {}
-    for method in ("ar", "dflash", "ddtree"):
+    for method in METHODS:
         engine = Engine(target, drafter, tokenizer, method=method, budget=budget)
         lens: list[int] = []
         outputs[method] = []
@@ -394,11 +413,12 @@ def evaluate_tau(
             lens += r.stats.acceptance_lengths
         if method != "ar":
             result[method] = {
-                "tau": round(sum(lens) / max(1, len(lens)), 4),
+                "tau": round(mean_acceptance_length(lens), 4),
                 "rounds": len(lens),
                 "seconds": round(time.perf_counter() - t0, 2),
-                "matches_ar": outputs[method] == outputs["ar"],
             }
+    for method in result.keys() & set(METHODS):  # ar runs last in METHODS: compare once it has
+        result[method]["matches_ar"] = outputs[method] == outputs["ar"]
     return result
 
 
@@ -617,7 +637,14 @@ def train_drafter(
 
 def register_drafter(train_subparsers: argparse._SubParsersAction) -> None:
     """Add ``drafter`` to the ``train`` subcommands; options are generated from :class:`DrafterConfig`."""
-    p = train_subparsers.add_parser("drafter", help="a DFlash drafter for a target, on its own continuations")
+    p = train_subparsers.add_parser(
+        "drafter",
+        help="a DFlash drafter for a target, on its own continuations",
+        description="Train a DFlash drafter for a local Qwen3 / Llama target on the target's own\n"
+        "continuations and save it in the public DFlash checkpoint format (resumable).",
+        epilog="example (a few minutes on a CPU):\n"
+        "  ddtree train drafter --target DIR --out runs/drafter-model --num-sequences 256 --steps 200",
+    )
     p.add_argument("--target", type=Path, required=True, help="HF target directory (with its tokenizer)")
     p.add_argument("--out", type=Path, required=True, help="directory for the drafter (public DFlash format)")
     p.add_argument(
@@ -626,18 +653,20 @@ def register_drafter(train_subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="prompts file (.jsonl, or text: one per line) instead of corpus windows",
     )
-    p.add_argument("--corpus-root", type=Path, default=None, help="corpus root (default: this stdlib)")
+    p.add_argument(
+        "--corpus-root", type=Path, default=None, help="corpus root (this interpreter's stdlib if omitted)"
+    )
     p.add_argument("--work-dir", type=Path, default=Path("runs/drafter"), help="checkpoint and data cache")
-    p.add_argument("--data", type=Path, default=None, help="data cache file (default: WORK_DIR/data.pt)")
+    p.add_argument("--data", type=Path, default=None, help="data cache file (WORK_DIR/data.pt if omitted)")
     p.add_argument("--resume", action="store_true", help="continue from WORK_DIR/checkpoint.pt")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (torch's default if omitted)")
     p.add_argument(
         "--until-step",
         type=int,
         default=None,
         help="checkpoint and stop after this step without finishing (resume later)",
     )
-    add_dataclass_flags(p, DrafterConfig, repr_defaults=True)
+    add_dataclass_flags(p, DrafterConfig, COMMON_HELP | DRAFTER_HELP)
     p.set_defaults(func=_run_drafter)
 
 

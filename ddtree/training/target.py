@@ -30,6 +30,18 @@ from ddtree.training.tokenizer import MAX_LENGTH, load_tokenizer
 METRICS = "training.json"
 
 
+TARGET_HELP = {
+    "hidden_size": "model width",
+    "num_layers": "transformer layers",
+    "num_heads": "attention heads",
+    "num_kv_heads": "key/value heads (grouped-query attention)",
+    "head_dim": "dimension per attention head",
+    "intermediate_size": "MLP width",
+    "seq_len": "tokens per training sequence",
+    "eval_every": "evaluate held-out loss every N steps; 0 = only at the end",
+}
+
+
 @dataclass(frozen=True)
 class TargetConfig:
     """Model shape and optimisation schedule; everything a resumed run must agree on except ``RUN_FIELDS``."""

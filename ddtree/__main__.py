@@ -1,0 +1,5 @@
+"""``python -m ddtree ...`` is ``ddtree ...``."""
+
+from ddtree.cli import main
+
+main()

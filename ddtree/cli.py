@@ -80,8 +80,9 @@ def engine_from_args(args: argparse.Namespace):
         )
     if args.target is None and not DEFAULT_TARGET.is_dir():
         raise DDTreeError("the built-in models are not installed; pass --target (and --drafter)")
+    batch = {"max_batch_size": args.max_batch_size} if "max_batch_size" in args else {}  # serve
     return Engine.from_pretrained(
-        target, drafter, method=args.method, budget=args.budget, topk=args.topk, device=args.device
+        target, drafter, method=args.method, budget=args.budget, topk=args.topk, device=args.device, **batch
     )
 
 

@@ -22,13 +22,16 @@ from tests.test_server_support import ThreadServer, metric, scrape
 
 
 class GatedEngine:
-    """A real engine whose streams take one permit per round; everything else passes through."""
+    """A real engine whose decode rounds take one permit per step; everything else passes through.
+
+    A step that only admits (nothing running yet) passes freely, so a request reaches the batch at once.
+    """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.permits = threading.Semaphore(0)
         self.rounds = 0
-        self.closed = threading.Event()
+        self.aborted = threading.Event()
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
@@ -36,26 +39,22 @@ class GatedEngine:
     def open(self) -> None:
         self.permits.release(1_000_000)
 
-    def stream(self, *args, **kwargs):
-        inner = self.engine.stream(*args, **kwargs)  # validates now, as the real one does
+    def step(self):
+        if self.engine.num_running:
+            self.permits.acquire()
+            self.rounds += 1
+        return self.engine.step()
 
-        def gated():
-            try:
-                for delta in inner:
-                    self.permits.acquire()
-                    self.rounds += 1
-                    yield delta
-            finally:
-                inner.close()
-                self.closed.set()
-
-        return gated()
+    def abort(self, request_id: str) -> bool:
+        self.aborted.set()
+        return self.engine.abort(request_id)
 
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
+    """Batches of one, so "one request running, the rest waiting" is what the tests set up."""
     tokenizer, target, drafter = tiny_models()
-    return Engine(target, drafter, tokenizer, budget=16)
+    return Engine(target, drafter, tokenizer, budget=16, max_batch_size=1)
 
 
 @pytest.fixture
@@ -117,7 +116,7 @@ def test_a_disconnected_stream_stops_its_generation_and_frees_its_slot(gated):
         wait_for(server.url, "ddtree_requests_cancelled_total", 1, reason="disconnect")
         gated.open()
         wait_for(server.url, "ddtree_requests_running", 0)
-        assert gated.closed.wait(10)  # the engine's stream was closed...
+        assert gated.aborted.wait(10)  # the engine's request was aborted...
         assert gated.rounds < 40  # ...long before max_tokens
         samples = scrape(server.url)
         assert metric(samples, "ddtree_generation_tokens_total") < 40

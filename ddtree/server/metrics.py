@@ -86,7 +86,7 @@ class Metrics:
         )
         self.step_rows = Histogram(
             "ddtree_step_rows",
-            "Rows one engine step advanced (the running batch plus the rows it admitted)",
+            "Rows in one engine step's round (the running batch; the rows it admits start next step)",
             buckets=ROW_BUCKETS,
             registry=r,
         )

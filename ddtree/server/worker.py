@@ -203,7 +203,7 @@ class EngineWorker:
         job.emit(started)
 
     def _step(self, engine) -> None:
-        start = time.perf_counter()
+        start, rows = time.perf_counter(), engine.num_running
         try:
             deltas = engine.step()
         except Exception as exc:  # the engine's own fault: nobody's rows can be trusted to go on
@@ -212,7 +212,8 @@ class EngineWorker:
                 self._finish(job, error=exc, abort=True)
             return
         self.metrics.step_seconds.observe(time.perf_counter() - start)
-        self.metrics.step_rows.observe(len(deltas))
+        if rows:  # a step that only admitted ran no round
+            self.metrics.step_rows.observe(rows)
         for delta in deltas:
             job = self._rows.get(delta.request_id)
             if job is None or job.done:

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests.conftest import save_models
-from tests.test_server_support import ServerProcess, server_env
+from tests.test_server_support import server_env, serving
 
 PROMPTS = ["def fib(n):", "import os\n", "class A:\n    def", "x = [1, 2,"]
 
@@ -30,12 +30,8 @@ def prompts_file(tmp_path_factory):
 def server(model_dirs, tmp_path_factory):
     target, drafter = model_dirs
     args = ["--target", target, "--drafter", drafter, "--budget", 16, "--max-batch-size", 4]
-    proc = ServerProcess(args, tmp_path_factory.mktemp("bench-serve-log") / "server.log")
-    try:
-        proc.wait_ready()
+    with serving(args, tmp_path_factory.mktemp("bench-serve-log") / "server.log") as proc:
         yield proc
-    finally:
-        proc.close()
 
 
 def bench_serve(*args, timeout: float = 300) -> subprocess.CompletedProcess:

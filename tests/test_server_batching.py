@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import save_models
-from tests.test_server_support import ServerProcess, metric, scrape, server_env, sse_events
+from tests.test_server_support import metric, scrape, server_env, serving, sse_events
 
 PROMPTS = ["def fib", "import os", "return n", "    if n < 2:", "fibonacci(", "class A:", "x = 1", "# note"]
 STEP_DELAY = "0.01"
@@ -25,24 +25,18 @@ def model_dirs(tmp_path_factory):
     return save_models(tmp_path_factory.mktemp("batching-models"))
 
 
-def start_server(model_dirs, log, *flags, step_delay: str = STEP_DELAY) -> ServerProcess:
+def start_server(model_dirs, log, *flags, step_delay: str = STEP_DELAY):
+    """A ready server on the tiny models for a ``with`` block, its steps ``step_delay`` seconds apart."""
     target, drafter = model_dirs
     args = ["--target", target, "--drafter", drafter, "--budget", 16, "--served-model-name", "tiny", *flags]
-    proc = ServerProcess(args, log, env=server_env(DDTREE_TEST_STEP_DELAY=step_delay))
-    proc.wait_ready()
-    return proc
+    return serving(args, log, env=server_env(DDTREE_TEST_STEP_DELAY=step_delay))
 
 
 @pytest.fixture(scope="module")
 def server(model_dirs, tmp_path_factory):
-    proc = start_server(
-        model_dirs, tmp_path_factory.mktemp("batching-log") / "server.log", "--max-batch-size", 16,
-        "--max-queue", 64,
-    )  # fmt: skip
-    try:
+    log = tmp_path_factory.mktemp("batching-log") / "server.log"
+    with start_server(model_dirs, log, "--max-batch-size", 16, "--max-queue", 64) as proc:
         yield proc
-    finally:
-        proc.close()
 
 
 def body(prompt: str, max_tokens: int, **extra) -> dict:
@@ -143,11 +137,8 @@ def rows_steps(samples: dict, rows: int) -> float:
 
 def test_a_client_that_disconnects_mid_stream_frees_its_row_within_one_step(model_dirs, tmp_path):
     """Steps of 100 ms here, so the test sees the disconnect within the step under way."""
-    proc = start_server(model_dirs, tmp_path / "disconnect.log", step_delay="0.1")
-    try:
+    with start_server(model_dirs, tmp_path / "disconnect.log", step_delay="0.1") as proc:
         check_a_disconnect_frees_its_row_within_one_step(proc.url)
-    finally:
-        proc.close()
 
 
 def check_a_disconnect_frees_its_row_within_one_step(url: str) -> None:
@@ -186,11 +177,8 @@ def check_a_disconnect_frees_its_row_within_one_step(url: str) -> None:
 
 
 def test_sigterm_with_a_full_batch_and_a_queue_completes_every_request_and_exits_0(model_dirs, tmp_path):
-    proc = start_server(
-        model_dirs, tmp_path / "drain.log", "--max-batch-size", 4, "--max-queue", 4, "--shutdown-timeout", 60,
-        step_delay="0.02",
-    )  # fmt: skip
-    try:
+    flags = ["--max-batch-size", 4, "--max-queue", 4, "--shutdown-timeout", 60]
+    with start_server(model_dirs, tmp_path / "drain.log", *flags, step_delay="0.02") as proc:
         requests = [body(p, 30, ignore_eos=True) for p in PROMPTS]  # 4 running, 4 waiting
         results: list = []
         client = threading.Thread(target=lambda: results.extend(run_concurrently(proc.url, requests)))
@@ -212,6 +200,4 @@ def test_sigterm_with_a_full_batch_and_a_queue_completes_every_request_and_exits
             assert events[-1] == "[DONE]"
             assert [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]][-1] == "length"
         assert proc.wait(60) == 0
-    finally:
-        proc.close()
     assert "Traceback" not in proc.log()

@@ -132,6 +132,7 @@ def engine_from_args(args: argparse.Namespace):
         )
     if args.target is None and not DEFAULT_TARGET.is_dir():
         raise DDTreeError("the built-in models are not installed; pass --target (and --drafter)")
+    batch = {"max_batch_size": args.max_batch_size} if "max_batch_size" in args else {}  # serve
     return Engine.from_pretrained(
         target,
         drafter,
@@ -141,6 +142,7 @@ def engine_from_args(args: argparse.Namespace):
         device=device,
         accept_threshold_single=args.accept_threshold_single,
         accept_threshold_acc=args.accept_threshold_acc,
+        **batch,
     )
 
 

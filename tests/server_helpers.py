@@ -13,6 +13,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -74,6 +76,17 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+@contextmanager
+def serving(args: list, log: Path, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    """A ready ``ddtree serve`` process for the ``with`` block; stopped after it."""
+    proc = ServerProcess(args, log, env)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.close()
 
 
 def wait_ready(url: str, timeout: float = 60, process: ServerProcess | None = None) -> dict:

@@ -7,6 +7,7 @@ sets up and inspects through ``/metrics``, not a race.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,19 +17,23 @@ import openai
 import pytest
 
 from ddtree.engine import Engine
+from ddtree.params import SamplingParams
 from ddtree.server import ServerConfig, create_app
 from tests.conftest import tiny_models
-from tests.server_helpers import ThreadServer, metric, scrape
+from tests.server_helpers import ThreadServer, metric, scrape, sse_events
 
 
 class GatedEngine:
-    """A real engine whose streams take one permit per round; everything else passes through."""
+    """A real engine whose decode rounds take one permit per step; everything else passes through.
+
+    A step that only admits (nothing running yet) passes freely, so a request reaches the batch at once.
+    """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.permits = threading.Semaphore(0)
         self.rounds = 0
-        self.closed = threading.Event()
+        self.aborted = threading.Event()
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
@@ -36,26 +41,22 @@ class GatedEngine:
     def open(self) -> None:
         self.permits.release(1_000_000)
 
-    def stream(self, *args, **kwargs):
-        inner = self.engine.stream(*args, **kwargs)  # validates now, as the real one does
+    def step(self):
+        if self.engine.num_running:
+            self.permits.acquire()
+            self.rounds += 1
+        return self.engine.step()
 
-        def gated():
-            try:
-                for delta in inner:
-                    self.permits.acquire()
-                    self.rounds += 1
-                    yield delta
-            finally:
-                inner.close()
-                self.closed.set()
-
-        return gated()
+    def abort(self, request_id: str) -> bool:
+        self.aborted.set()
+        return self.engine.abort(request_id)
 
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
+    """Batches of one, so "one request running, the rest waiting" is what the tests set up."""
     tokenizer, target, drafter = tiny_models()
-    return Engine(target, drafter, tokenizer, budget=16)
+    return Engine(target, drafter, tokenizer, budget=16, max_batch_size=1)
 
 
 @pytest.fixture
@@ -117,7 +118,7 @@ def test_a_disconnected_stream_stops_its_generation_and_frees_its_slot(gated):
         wait_for(server.url, "ddtree_requests_cancelled_total", 1, reason="disconnect")
         gated.open()
         wait_for(server.url, "ddtree_requests_running", 0)
-        assert gated.closed.wait(10)  # the engine's stream was closed...
+        assert gated.aborted.wait(10)  # the engine's request was aborted...
         assert gated.rounds < 40  # ...long before max_tokens
         samples = scrape(server.url)
         assert metric(samples, "ddtree_generation_tokens_total") < 40
@@ -146,3 +147,73 @@ def test_max_queue_0_serves_one_request_at_a_time_and_refuses_the_rest(gated):
         gated.open()
         assert running.result().status_code == 200
         assert httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=30).status_code == 200
+
+
+class FaultyEngine:
+    """A real engine with one internal fault: the second delta of the request for ``POISON`` carries
+    logprobs that are not logprobs, so turning that request's output into pieces raises on the engine
+    thread. (The engine refuses at ``add_request`` whatever cannot fit the context, so no request can fail
+    mid-generation through the API: a fault like this one is the only way to make one.)"""
+
+    POISON = [5, 6, 7]
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.poisoned: dict[str, int] = {}  # request id -> deltas seen
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def add_request(self, prompt, params=None, **options) -> str:
+        request_id = self.engine.add_request(prompt, params, **options)
+        if prompt == self.POISON:
+            self.poisoned[request_id] = 0
+        return request_id
+
+    def step(self):
+        deltas = self.engine.step()
+        for delta in deltas:
+            if delta.request_id in self.poisoned:
+                self.poisoned[delta.request_id] += 1
+                if self.poisoned[delta.request_id] == 2:
+                    delta.logprobs = [None] * len(delta.token_ids)
+        return deltas
+
+
+def test_a_request_that_fails_mid_generation_fails_alone_with_an_error_event(engine):
+    tokenizer, target, drafter = tiny_models()
+    batched = Engine(target, drafter, tokenizer, budget=16, max_batch_size=4)
+    prompts = ["def fib", "import os", "x = 1"]
+    params = SamplingParams(max_new_tokens=12, logprobs=1, ignore_eos=True)
+    expected = [batched.generate(p, params).text for p in prompts]
+    faulty = FaultyEngine(batched)
+    body = {
+        "model": "tiny",
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": 1,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with ThreadServer(create_app(lambda: faulty, ServerConfig(model_name="tiny"))) as server:
+
+        async def main():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+                posts = [
+                    http.post("/v1/completions", json=body | {"prompt": p}) for p in [*prompts, faulty.POISON]
+                ]
+                return await asyncio.gather(*posts)
+
+        *companions, failed = asyncio.run(main())
+        events = sse_events(failed.text.splitlines())
+        assert failed.status_code == 200 and events[-1] == "[DONE]"
+        assert events[-2]["error"]["type"] == "server_error"  # after the pieces it had sent
+        assert any(e.get("choices") for e in events[:-2])
+        for answer, text in zip(companions, expected, strict=True):
+            events = sse_events(answer.text.splitlines())
+            assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+            assert "".join(e["choices"][0]["text"] for e in events[:-1]) == text
+            assert events[-2]["choices"][0]["finish_reason"] == "length"
+        samples = scrape(server.url)
+        assert metric(samples, "ddtree_num_requests_running") == 0 and batched.num_running == 0
+        assert metric(samples, "ddtree_requests_running") == 0

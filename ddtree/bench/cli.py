@@ -83,6 +83,9 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     )
     add_bench_options(bench)
     bench.set_defaults(func=run_bench_command)
+    from ddtree.bench.serve import register_bench_serve  # here: serve.py imports this module
+
+    register_bench_serve(bench.add_subparsers(dest="bench_command", metavar="serve"))
 
 
 def load_engine(args: argparse.Namespace, needs_drafter: bool):

@@ -46,7 +46,7 @@ DEFAULT_MODEL_NAME = "ddtree-default"  # the built-in pair's; a served target di
 @dataclass(frozen=True)
 class ServerConfig:
     model_name: str = DEFAULT_MODEL_NAME
-    max_queue: int = 64  # requests that may wait for the engine besides the one it runs
+    max_queue: int = 64  # requests that may wait for a place in the engine's batch; more get 429
     request_timeout: float = 600.0  # seconds from arrival to the last token, queue wait included
     engine_stop_timeout: float = 5.0  # how long the app's shutdown waits for the engine thread to stop
     retry_after: int = 1  # seconds, sent with 429 and 503
@@ -54,6 +54,7 @@ class ServerConfig:
     metrics_api_keys: tuple[str, ...] = field(default=(), repr=False)  # /metrics needs one (none: open)
     allowed_origins: tuple[str, ...] = ()  # CORS for browser clients (none: off)
     limits: Limits = field(default_factory=Limits)
+    step_delay: float = 0.0  # a test hook: seconds the engine thread sleeps before each step
 
 
 @dataclass
@@ -121,7 +122,9 @@ def create_app(
         state.token_chars = longest_token_chars(model.engine.tokenizer)
         return model
 
-    worker = EngineWorker(load, metrics, config.max_queue, warm_up, on_load_failed=on_load_failed)
+    worker = EngineWorker(
+        load, metrics, config.max_queue, warm_up, on_load_failed=on_load_failed, step_delay=config.step_delay
+    )
     state = ServerState(config, worker, metrics)
 
     @asynccontextmanager

@@ -1,14 +1,14 @@
 """What a request asks of the engine thread (:class:`Plan`) and what comes back (:class:`Started`, pieces).
 
 Everything here runs on the engine thread, since it touches the engine and its tokenizer: rendering the
-chat prompt, tokenizing, checking the context, then streaming each choice in turn. Choices run one after
-another (the engine is batch-1); each is independent, and seeded ones use ``seed + index``.
+chat prompt, tokenizing, checking the context, adding one engine row per choice (they run side by side,
+each independent; seeded ones use ``seed + index``) and turning each row's deltas into pieces.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Generator
+import time
 from dataclasses import dataclass, field, replace
 
 from ddtree.errors import DDTreeError
@@ -73,54 +73,115 @@ class Piece:
     stats: SpeculativeStats | None = None
 
 
-def run_plan(model: ServedModel, plan: Plan, metrics: Metrics) -> Generator[Started | Piece, None, None]:
-    """Validate against the model, yield Started, then every choice's pieces in order."""
+@dataclass(frozen=True)
+class Choice:
+    """One row of a request: choice ``index`` (prompt-major) of one prompt, with its own params."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+def plan_choices(model: ServedModel, plan: Plan) -> list[Choice]:
+    """Render, tokenize and check the request against the context (raising its 400); one choice per
+    prompt x n, seeded ones with ``seed + index``."""
     engine = model.engine
     if plan.messages is not None:
         prompts, param = [render_chat(engine.tokenizer, plan.messages)], "messages"
     else:
         prompts, param = plan.prompts or [], "prompt"
-    ids = [_encode(engine, p, param) for p in prompts]
-    streams = []
-    try:
-        for i, prompt_ids in enumerate(ids):
-            max_new = _max_new_tokens(plan, len(prompt_ids), model.max_positions, param)
-            for j in range(plan.n):
-                index = i * plan.n + j
-                seed = None if plan.params.seed is None else plan.params.seed + index
-                params = replace(plan.params, max_new_tokens=max_new, seed=seed)
-                stream = engine.stream(
-                    prompt_ids, params, method=plan.method, budget=plan.budget, topk=plan.topk
+    choices = []
+    for i, prompt in enumerate(prompts):
+        prompt_ids = _encode(engine, prompt, param)
+        max_new = _max_new_tokens(plan, len(prompt_ids), model.max_positions, param)
+        for j in range(plan.n):
+            index = i * plan.n + j
+            seed = None if plan.params.seed is None else plan.params.seed + index
+            choices.append(Choice(index, prompt_ids, replace(plan.params, max_new_tokens=max_new, seed=seed)))
+    return choices
+
+
+@dataclass
+class _Row:
+    index: int
+    tokens: int = 0
+    stats: object = None  # the engine's GenerationStats, from the row's latest delta
+    last_at: float | None = None  # when its latest delta came (inter-token latency)
+    finished: bool = False
+
+
+class Generation:
+    """One request's rows in the engine, on the engine thread: adds them, turns each of their deltas into a
+    :class:`Piece`, and counts what they generated (also when the request stops early)."""
+
+    def __init__(self, model: ServedModel, plan: Plan, metrics: Metrics, request_id: str) -> None:
+        self.model = model
+        self.plan = plan
+        self.metrics = metrics
+        self.choices = plan_choices(model, plan)
+        self.rows = {f"{request_id}-{c.index}": _Row(c.index) for c in self.choices}
+        self.prompt_tokens = sum(len(c.prompt_ids) for c in self.choices[:: plan.n])
+
+    def add_to(self, engine) -> Started:
+        """Queue every row in the engine (all or none); DDTreeError for an option the engine refuses."""
+        added = []
+        try:
+            for request_id, choice in zip(self.rows, self.choices, strict=True):
+                engine.add_request(
+                    choice.prompt_ids,
+                    choice.params,
+                    method=self.plan.method,
+                    budget=self.plan.budget,
+                    topk=self.plan.topk,
+                    request_id=request_id,
                 )
-                streams.append((index, stream))
-        prompt_tokens = sum(map(len, ids))
-        metrics.prompt_tokens.inc(prompt_tokens)
-        yield Started(prompt_tokens)
-        for index, stream in streams:
-            yield from _run_choice(model, index, stream, metrics, plan.params.logprobs is not None)
-    finally:
-        for _, stream in streams:
-            stream.close()
+                added.append(request_id)
+        except BaseException:
+            for request_id in added:
+                engine.abort(request_id)
+            raise
+        self.metrics.prompt_tokens.inc(self.prompt_tokens)
+        return Started(self.prompt_tokens)
 
+    @property
+    def finished(self) -> bool:
+        return all(row.finished for row in self.rows.values())
 
-def _run_choice(model: ServedModel, index: int, stream, metrics: Metrics, want_logprobs: bool):
-    delta, tokens = None, 0
-    try:
-        for delta in stream:
-            tokens += len(delta.token_ids)
-            done = delta.finish_reason is not None
-            yield Piece(
-                index,
-                delta.text,
-                len(delta.token_ids),
-                delta.finish_reason,
-                [_token_info(model.names, lp) for lp in delta.logprobs] if want_logprobs else [],
-                _stats(delta.stats) if done else None,
-            )
-    finally:
-        stream.close()
-        if delta is not None:
-            metrics.record_generation(delta.stats.method, delta.stats.acceptance_lengths, tokens)
+    def piece(self, delta) -> Piece:
+        """The piece for one engine delta of one of this request's rows."""
+        row = self.rows[delta.request_id]
+        now = time.perf_counter()
+        if row.last_at is not None and delta.token_ids:
+            self.metrics.inter_token.observe(now - row.last_at)
+        if delta.token_ids:
+            row.last_at = now
+        row.tokens += len(delta.token_ids)
+        row.stats = delta.stats
+        done = delta.finish_reason is not None
+        want_logprobs = self.plan.params.logprobs is not None
+        piece = Piece(
+            row.index,
+            delta.text,
+            len(delta.token_ids),
+            delta.finish_reason,
+            [_token_info(self.model.names, lp) for lp in delta.logprobs] if want_logprobs else [],
+            _stats(delta.stats) if done else None,
+        )
+        if done:
+            self._close(row)
+        return piece
+
+    def abort(self, engine) -> None:
+        """Take the unfinished rows out of the engine (their rows are free at the next step)."""
+        for request_id, row in self.rows.items():
+            if not row.finished:
+                engine.abort(request_id)
+                self._close(row)
+
+    def _close(self, row: _Row) -> None:
+        row.finished = True
+        if row.stats is not None:
+            self.metrics.record_generation(row.stats.method, row.stats.acceptance_lengths, row.tokens)
 
 
 def _encode(engine, prompt: str | list[int], param: str) -> list[int]:

@@ -4,6 +4,11 @@ Speculative-decoding counters follow vLLM's ``spec_decode_*`` family: ``rounds``
 ``accepted_tokens`` (draft tokens the target kept), ``accepted_tokens_per_pos`` (rounds whose draft
 was accepted at least up to depth ``position + 1``) and ``emitted_tokens`` (accepted + the bonus), so
 ``emitted / rounds`` is tau, the mean acceptance length; ``mean_acceptance_length`` exports it directly.
+
+Batching follows vLLM's names where they exist: ``num_requests_running`` / ``num_requests_waiting`` count
+engine rows (one per choice), ``time_to_first_token_seconds`` and ``inter_token_latency_seconds`` time
+what clients see; ``step_rows`` and ``step_duration_seconds`` describe the engine's steps.
+``requests_running`` and ``queue_depth`` count HTTP requests.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 ENDPOINTS = (
     "/v1/completions",
     "/v1/chat/completions",
@@ -55,8 +62,37 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.queue_depth = Gauge("ddtree_queue_depth", "Requests waiting for the engine", registry=r)
-        self.running = Gauge("ddtree_requests_running", "Requests the engine is generating for", registry=r)
+        self.inter_token = Histogram(
+            "ddtree_inter_token_latency_seconds",
+            "Time between two successive deltas (engine steps that gave tokens) of one choice",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "ddtree_queue_depth",
+            "HTTP requests waiting for the engine (none of their rows started)",
+            registry=r,
+        )
+        self.running = Gauge(
+            "ddtree_requests_running", "HTTP requests the engine is generating for", registry=r
+        )
+        self.rows_running = Gauge(
+            "ddtree_num_requests_running", "Engine rows (one per choice) in the running batch", registry=r
+        )
+        self.rows_waiting = Gauge(
+            "ddtree_num_requests_waiting",
+            "Engine rows (one per choice) waiting for a place in the batch",
+            registry=r,
+        )
+        self.step_rows = Histogram(
+            "ddtree_step_rows",
+            "Rows in one engine step's round (the running batch; the rows it admits start next step)",
+            buckets=ROW_BUCKETS,
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "ddtree_step_duration_seconds", "Time of one engine step", buckets=STEP_BUCKETS, registry=r
+        )
         self.cancelled = Counter(
             "ddtree_requests_cancelled",
             "Generations stopped early, by reason (disconnect, timeout)",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from functools import partial
 
 from fastapi import APIRouter, Request
 
@@ -18,7 +17,7 @@ from ddtree.params import SamplingParams, lossy_threshold_fields
 from ddtree.server.chat import message_dicts
 from ddtree.server.errors import APIError, invalid, unsupported
 from ddtree.server.events import EventStreamResponse, event_stream, job_items
-from ddtree.server.generation import Plan, Started, run_plan
+from ddtree.server.generation import Plan, Started
 from ddtree.server.limits import check_plan
 from ddtree.server.protocol import (
     ChatCompletion,
@@ -109,13 +108,13 @@ async def _answer(
     answer.thresholds = lossy_threshold_fields(engine.accept_threshold_single, engine.accept_threshold_acc)
     metrics, config = state.metrics, state.config
     check_plan(plan, model.max_positions, state.token_chars, config.limits)
-    job = Job(partial(run_plan, plan=plan, metrics=metrics), asyncio.get_running_loop())
+    job = Job(plan, asyncio.get_running_loop())
     try:
         state.worker.submit(job)
     except QueueFull:
         raise APIError(
             429,
-            f"the server is busy ({config.max_queue} requests are waiting); retry shortly",
+            f"the server is busy ({state.worker.capacity} requests are running or waiting); retry shortly",
             "rate_limit_error",
             None,
             "queue_full",

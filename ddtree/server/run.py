@@ -1,8 +1,9 @@
 """``ddtree serve``: bind the port, hand the socket to uvicorn, load the models in the background.
 
 Binding comes first so a taken port fails in a second with a clear message, not after minutes of
-loading weights. SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish for up
-to ``--shutdown-timeout`` seconds and exits 0. A model that fails to load stops the server with exit 2.
+loading weights. SIGTERM (or Ctrl-C) stops accepting connections, lets every in-flight request (running or
+queued) finish for up to ``--shutdown-timeout`` seconds and exits 0. A model that fails to load stops the
+server with exit 2.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from ddtree.server.app import DEFAULT_MODEL_NAME, ServerConfig, create_app
 from ddtree.server.auth import API_KEY_ENV, api_keys, open_access_warning
 
 LOAD_DELAY_ENV = "DDTREE_TEST_LOAD_DELAY"  # test hook: seconds to sleep before loading (a slow disk)
+STEP_DELAY_ENV = (
+    "DDTREE_TEST_STEP_DELAY"  # test hook: seconds to sleep before each engine step (a slow model)
+)
 
 
 def add_server_options(p: argparse.ArgumentParser) -> None:
@@ -39,7 +43,13 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         help=f"model id clients use (the target directory's name; {DEFAULT_MODEL_NAME} for the built-ins)",
     )
     p.add_argument(
-        "--max-queue", type=int, default=64, help="requests that may wait for the engine; more get 429"
+        "--max-batch-size", type=int, default=16, help="requests (choices) the engine runs side by side"
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests that may wait for a place in the batch; more get 429",
     )
     p.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds per request, queue wait included"
@@ -142,6 +152,8 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
     exit 2. The engine's flags are the caller's to check (``ddtree.cli.check_engine_flags``)."""
     if not 0 <= args.port <= 65535:
         raise DDTreeError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_batch_size < 1:
+        raise DDTreeError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     if args.max_queue < 0:
         raise DDTreeError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not args.request_timeout > 0 or not args.shutdown_timeout >= 0:
@@ -153,6 +165,7 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
     if args.target is not None:
         check_model_dir(args.target, "target")
     delay = float(os.environ.get(LOAD_DELAY_ENV, "0") or 0)
+    step_delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
 
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
@@ -180,6 +193,7 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
         metrics_api_keys=tuple(args.metrics_api_key or ()),
         allowed_origins=tuple(args.allowed_origins or ()),
         limits=limits.Limits(args.max_request_bytes, args.max_tokens_per_request),
+        step_delay=step_delay,
     )
     app = create_app(load, config, on_load_failed=load_failed)
     run_app(app, sock, args.shutdown_timeout, args.log_level, args.access_log)

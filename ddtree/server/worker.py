@@ -1,33 +1,39 @@
-"""The one thread that owns the engine: it loads it, warms it up, then runs queued jobs one at a time.
+"""The one thread that owns the engine: it loads it, warms it up, then runs the continuous batching loop.
 
-The engine is batch-1 and not thread-safe, so nothing else ever touches it (nor its tokenizer). Requests
-become :class:`Job` s in a bounded FIFO; a full queue refuses at once (the caller answers 429). A job's
-``work`` is a generator run on this thread; each item it yields is handed to the request's event loop.
-Cancelling a job (client gone, timeout) removes it from the queue or, if it is running, closes its
-generator after the current round, which closes the engine's stream and frees the engine.
+The engine is not thread-safe, so nothing else ever touches it (nor its tokenizer). A request becomes a
+:class:`Job`; the event loop hands jobs over through a queue of commands (add, abort) that the engine
+thread consumes between steps. While anything runs or waits, the thread loops ``engine.step()``: every
+running row advances one round, waiting rows join at the next step (up to the engine's
+``max_batch_size``), and each delta is routed by its request id to its job, whose items go back to the
+request's event loop. A job that has taken its place (running or waiting) counts against the limit of
+``max_batch_size + max_queue``; past it, ``submit`` refuses at once (the caller answers 429).
+
+Cancelling a job (client gone, timeout) aborts its rows at the next step boundary. A request that fails
+(a bad option the engine refuses, an error turning its output into pieces) fails alone; the others go on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ddtree.server.generation import Generation, Plan, ServedModel
 from ddtree.server.metrics import Metrics
 
 log = logging.getLogger("ddtree.server")
 
 State = Literal["loading", "warming", "ready", "failed"]
-Work = Callable[[Any], Generator[object, None, None]]  # engine -> the items to hand back
 
 
 class QueueFull(Exception):
-    """Every queue slot is taken."""
+    """Every running and waiting place is taken."""
 
 
 class ShuttingDown(Exception):
@@ -36,7 +42,7 @@ class ShuttingDown(Exception):
 
 @dataclass(frozen=True)
 class Failed:
-    """The job's work raised; the request re-raises ``error`` on its own task."""
+    """The job failed; the request re-raises ``error`` on its own task."""
 
     error: BaseException
 
@@ -45,14 +51,23 @@ FINISHED = object()  # the last item of a job that ran to its end
 
 
 class Job:
-    """One request's work and the channel its items come back on (an asyncio queue on the request's loop)."""
+    """One request: its plan and the channel its items come back on (an asyncio queue on its loop).
 
-    def __init__(self, work: Work, loop: asyncio.AbstractEventLoop) -> None:
-        self.work = work
+    Items: :class:`Started` once its rows are in the engine, then :class:`Piece` s, then FINISHED or a
+    :class:`Failed`.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, plan: Plan, loop: asyncio.AbstractEventLoop) -> None:
+        self.plan = plan
         self.loop = loop
+        self.id = f"job{next(self._ids)}"
         self.items: asyncio.Queue[object] = asyncio.Queue()
-        self.cancelled = threading.Event()
         self.enqueued_at = time.perf_counter()
+        self.generation: Generation | None = None  # set on the engine thread once its rows are added
+        self.running = False  # a row of it has been admitted (it left the queue)
+        self.done = False  # finished, failed or aborted; guarded by the worker's lock
 
     def emit(self, item: object) -> None:
         """Hand ``item`` to the request (thread-safe)."""
@@ -63,26 +78,29 @@ class Job:
 
 
 class EngineWorker:
-    """Loads the engine with ``engine_factory`` on its own thread, warms it up, then serves the queue."""
+    """Loads the engine with ``engine_factory`` on its own thread, warms it up, then serves the jobs."""
 
     def __init__(
         self,
-        engine_factory: Callable[[], Any],
+        engine_factory: Callable[[], ServedModel],
         metrics: Metrics,
         max_queue: int,
         warmup: Callable[[Any], None] | None = None,
         on_load_failed: Callable[[BaseException], None] | None = None,
+        step_delay: float = 0.0,
     ) -> None:
         self.engine_factory = engine_factory
         self.metrics = metrics
         self.max_queue = max_queue
         self.warmup = warmup
         self.on_load_failed = on_load_failed
+        self.step_delay = step_delay  # a test hook: seconds to sleep before each step (a slow model)
         self.state: State = "loading"
         self.load_error: str | None = None
-        self.engine: Any = None
-        self._waiting: deque[Job] = deque()
-        self._running: Job | None = None
+        self.engine: ServedModel | None = None
+        self._commands: deque[tuple[str, Job]] = deque()  # ("add" | "abort", job), consumed between steps
+        self._jobs: set[Job] = set()  # admitted by submit, not done yet (the 429 limit counts them)
+        self._rows: dict[str, Job] = {}  # engine request id -> its job (engine thread only)
         self._stopping = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._main, name="ddtree-engine", daemon=True)
@@ -90,39 +108,40 @@ class EngineWorker:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def capacity(self) -> int:
+        """Requests that may be in the engine at once: a full batch running plus ``max_queue`` waiting."""
+        return self.engine.engine.max_batch_size + self.max_queue
+
     def submit(self, job: Job) -> None:
-        """Queue ``job``; raises QueueFull or ShuttingDown instead of waiting."""
+        """Hand ``job`` to the engine thread; raises QueueFull or ShuttingDown instead of waiting."""
         with self._cond:
             if self._stopping:
                 raise ShuttingDown()
-            idle_engine = 1 if self._running is None else 0  # the first waiting job is about to run
-            if len(self._waiting) >= self.max_queue + idle_engine:
+            if len(self._jobs) >= self.capacity:
                 raise QueueFull()
-            self._waiting.append(job)
-            self.metrics.queue_depth.set(len(self._waiting))
+            self._jobs.add(job)
+            self._commands.append(("add", job))
+            self._count()
             self._cond.notify()
 
     def cancel(self, job: Job) -> None:
-        """Stop ``job``: out of the queue now, or out of the engine after the current round."""
-        job.cancelled.set()
+        """Stop ``job``: its rows leave the engine at the next step boundary (nothing if it is done)."""
         with self._cond:
-            try:
-                self._waiting.remove(job)
-            except ValueError:
+            if job.done or self._stopping:
                 return
-            self.metrics.queue_depth.set(len(self._waiting))
+            self._commands.append(("abort", job))
+            self._cond.notify()
 
     def stop(self, timeout: float) -> None:
-        """Refuse new work, fail what waits, stop the running job, wait ``timeout`` for the thread."""
+        """Refuse new work, fail what is left, wait ``timeout`` for the thread.
+
+        By the time the app stops, uvicorn has already drained (or, past ``--shutdown-timeout``, dropped)
+        every request in flight, so this normally finds nothing left.
+        """
         with self._cond:
             self._stopping = True
-            pending, self._waiting = list(self._waiting), deque()
-            self.metrics.queue_depth.set(0)
-            if self._running is not None:
-                self._running.cancelled.set()
             self._cond.notify_all()
-        for job in pending:
-            job.emit(Failed(ShuttingDown()))
         if self.state == "ready" and self._thread.is_alive():  # a load in progress cannot be interrupted
             self._thread.join(timeout)
 
@@ -130,10 +149,10 @@ class EngineWorker:
 
     def _main(self) -> None:
         try:
-            engine = self.engine_factory()
+            model = self.engine_factory()
             self.state = "warming"
             if self.warmup is not None:
-                self.warmup(engine)
+                self.warmup(model)
         except BaseException as exc:  # any load failure ends the server
             self.state = "failed"
             self.load_error = str(exc) or type(exc).__name__
@@ -141,40 +160,104 @@ class EngineWorker:
             if self.on_load_failed is not None:
                 self.on_load_failed(exc)
             return
-        self.engine = engine
+        self.engine = model
         self.state = "ready"
-        log.info("engine ready")
+        log.info("engine ready (batches of up to %d requests)", model.engine.max_batch_size)
+        try:
+            self._loop(model)
+        finally:
+            self._fail_all(ShuttingDown())
+
+    def _loop(self, model: ServedModel) -> None:
+        engine = model.engine
         while True:
             with self._cond:
-                while not self._waiting and not self._stopping:
+                while not self._commands and not self._rows and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     return
-                job = self._waiting.popleft()
-                self.metrics.queue_depth.set(len(self._waiting))
-                self._running = job
-            try:
-                self._run(job, engine)
-            finally:
-                with self._cond:
-                    self._running = None
+                commands, self._commands = self._commands, deque()
+            for kind, job in commands:
+                if kind == "add":
+                    self._add(model, job)
+                else:
+                    self._finish(job, abort=True)
+            self._count()
+            if self._rows:  # the worker's own rows: it steps only for its requests
+                if self.step_delay > 0:
+                    time.sleep(self.step_delay)
+                self._step(engine)
+                self._count()
 
-    def _run(self, job: Job, engine: Any) -> None:
-        if job.cancelled.is_set():
-            return
-        self.metrics.queue_wait.observe(time.perf_counter() - job.enqueued_at)
-        self.metrics.running.inc()
-        items = None
+    def _add(self, model: ServedModel, job: Job) -> None:
+        """Check the request and queue its rows in the engine; a request the engine refuses fails alone."""
         try:
-            items = job.work(engine)
-            for item in items:
-                if job.cancelled.is_set():
-                    return
-                job.emit(item)
-            job.emit(FINISHED)
-        except Exception as exc:  # handed to the request, which turns it into an error answer
-            job.emit(Failed(exc))
-        finally:
-            if items is not None:
-                items.close()  # closes the engine's stream when the job stopped early
-            self.metrics.running.dec()
+            job.generation = Generation(model, job.plan, self.metrics, job.id)
+            started = job.generation.add_to(model.engine)
+        except Exception as exc:  # a 400 (or a bug) for this request only
+            job.generation = None
+            self._finish(job, error=exc)
+            return
+        for request_id in job.generation.rows:
+            self._rows[request_id] = job
+        job.emit(started)
+
+    def _step(self, engine) -> None:
+        start, rows = time.perf_counter(), engine.num_running
+        try:
+            deltas = engine.step()
+        except Exception as exc:  # the engine's own fault: nobody's rows can be trusted to go on
+            log.exception("an engine step failed; failing the requests in it")
+            for job in {*self._rows.values()}:
+                self._finish(job, error=exc, abort=True)
+            return
+        self.metrics.step_seconds.observe(time.perf_counter() - start)
+        if rows:  # a step that only admitted ran no round
+            self.metrics.step_rows.observe(rows)
+        for delta in deltas:
+            job = self._rows.get(delta.request_id)
+            if job is None or job.done:
+                continue
+            if not job.running:
+                job.running = True
+                self.metrics.queue_wait.observe(time.perf_counter() - job.enqueued_at)
+            try:
+                job.emit(job.generation.piece(delta))
+            except Exception as exc:  # turning its output into pieces failed: this request fails alone
+                log.exception("request %s failed", job.id)
+                self._finish(job, error=exc, abort=True)
+                continue
+            if job.generation.finished:
+                self._finish(job)
+
+    def _finish(self, job: Job, error: BaseException | None = None, abort: bool = False) -> None:
+        """The job is done: its rows leave the engine (``abort``), its request gets FINISHED or ``error``."""
+        if job.done:
+            return
+        if job.generation is not None:
+            if abort:
+                job.generation.abort(self.engine.engine)
+            for request_id in job.generation.rows:
+                self._rows.pop(request_id, None)
+        with self._cond:
+            job.done = True
+            self._jobs.discard(job)
+        job.emit(FINISHED if error is None else Failed(error))
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._cond:
+            left = list(self._jobs)
+        for job in left:
+            self._finish(job, error=error, abort=True)
+        self._count()
+
+    def _count(self) -> None:
+        """Gauges: requests (HTTP) waiting and running; engine rows waiting and running."""
+        with self._cond:
+            running = sum(job.running for job in self._jobs)
+            waiting = len(self._jobs) - running
+        self.metrics.queue_depth.set(waiting)
+        self.metrics.running.set(running)
+        if self.engine is not None and threading.current_thread() is self._thread:
+            self.metrics.rows_running.set(self.engine.engine.num_running)
+            self.metrics.rows_waiting.set(self.engine.engine.num_waiting)

@@ -1,10 +1,10 @@
 """The one commit path shared by greedy and sampled verification (and by the dflash and ar baselines).
 
-A round's verdict is ``(accepted node indices with the root first, emitted tokens with the bonus last)``.
-Committing it means: write the tokens (stopping exactly at EOS, a stop token id, a stop string or
-``max_new_tokens``, even in the middle of an accepted block), compact the target KV cache so the accepted
-nodes sit contiguously after the committed context, and keep those nodes' hidden features for the
-drafter's next pass.
+A round's verdict, per row, is ``(accepted node indices with the root first, emitted tokens with the bonus
+last)``. Committing it means: write the tokens (stopping exactly at EOS, a stop token id, a stop string or
+``max_new_tokens``, even in the middle of an accepted block), pack the target KV row so the accepted nodes
+sit contiguously after the committed context, and keep those nodes' hidden features for the drafter's next
+pass.
 """
 
 from __future__ import annotations
@@ -14,7 +14,31 @@ from dataclasses import dataclass, field
 import torch
 
 from ddtree.errors import DDTreeError
+from ddtree.kv_cache import KVCache
 from ddtree.params import SamplingParams
+
+
+def pack_accepted(cache: KVCache, rows: list[int], starts: list[int], paths: list[list[int]]) -> None:
+    """Row ``rows[i]`` keeps the keys/values of its tree nodes ``paths[i]`` at columns ``starts[i] + 0 .. m``.
+
+    A path is m increasing node indices starting with the root (0), which stays where it is. A path that is
+    already ``0 .. m - 1`` (a first-child chain, the common case) is in place; the others move together in
+    one gather and one scatter per buffer, padded with the scratch column. The tree's other columns need no
+    clearing: the next round's mask hides everything past a row's committed tokens.
+    """
+    moved = [
+        (row, start, path)
+        for row, start, path in zip(rows, starts, paths, strict=True)
+        if path[-1] != len(path) - 1
+    ]
+    if not moved:
+        return
+    width = max(len(path) for _, _, path in moved)
+    pad = [cache.scratch] * width
+    src = [[start + j for j in path] + pad[len(path) :] for _, start, path in moved]  # [K, width]
+    dst = [list(range(start, start + len(path))) + pad[len(path) :] for _, start, path in moved]
+    device = cache.keys[0].device
+    cache.move_cols(*(torch.tensor(x, device=device) for x in ([row for row, _, _ in moved], src, dst)))
 
 
 @dataclass

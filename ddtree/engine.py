@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ddtree.commit import OutputState, TokenLogprobs, token_logprobs
+from ddtree.commit import OutputState, TokenLogprobs, pack_accepted, token_logprobs
 from ddtree.drafter import DFlashDrafter
 from ddtree.errors import DDTreeError
 from ddtree.forward import TargetForward
@@ -769,9 +769,9 @@ class Engine:
         hidden: torch.Tensor,
         features: torch.Tensor | None,
     ) -> list[StreamDelta]:
-        """Write each row's tokens, pack its accepted nodes' keys/values after its committed tokens (one
-        batched gather for all rows that left the first-child chain) and keep their drafter features."""
-        moved_rows, moved_src = [], []
+        """Pack every row's accepted keys/values after its committed tokens, write its tokens and keep its
+        accepted nodes' drafter features."""
+        pack_accepted(self.cache, list(range(len(rows))), [r.start for r in rows], [v[0] for v in verdicts])
         deltas = []
         for i, (r, (nodes, tokens)) in enumerate(zip(rows, verdicts, strict=True)):
             logprobs = None
@@ -780,9 +780,6 @@ class Engine:
             before = len(r.output.token_ids)
             taken = r.output.write(tokens, logprobs)
             m = len(nodes)
-            if nodes[-1] != m - 1:  # a path off the first-child chain: its slots are scattered
-                moved_rows.append(i)
-                moved_src.append([r.start + j for j in nodes])
             if r.drafts:  # [N, F * H] -> [m, F * H]; a first-child chain needs no gather
                 r.features = features[i, :m] if nodes[-1] == m - 1 else features[i, nodes]
             r.start += m
@@ -790,12 +787,6 @@ class Engine:
             r.stats.acceptance_lengths.append(len(tokens))
             r.stats.decode_tokens += taken
             deltas.append(self._delta(r, before))
-        if moved_rows:
-            width = max(len(s) for s in moved_src)
-            scratch = self.cache.scratch
-            src = [s + [scratch] * (width - len(s)) for s in moved_src]
-            dst = [list(range(s[0], s[0] + len(s))) + [scratch] * (width - len(s)) for s in moved_src]
-            self.cache.move_cols(*(torch.tensor(x, device=self.device) for x in (moved_rows, src, dst)))
         for r in rows:
             if r.output.finish_reason is not None:
                 self._release(r)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ddtree.commit import pack_accepted
 from ddtree.engine import Engine
 from ddtree.params import SamplingParams
 from ddtree.tree import build_ddtree_tree
@@ -150,7 +151,7 @@ def test_kv_compaction_leaves_the_cache_of_a_fresh_forward(pair, kept_path):
         else:
             kept = first_child_chain(tree)
         m = len(kept)
-        cache.move_cols(torch.tensor([1]), torch.tensor([kept]) + start, torch.arange(start, start + m)[None])
+        pack_accepted(cache, [1], [start], [kept])
         committed = prompt + tree.tokens[kept].tolist()
         nxt = 3
         step = run([nxt], [start + m], [start + m], torch.ones(1, start + m + 1, dtype=torch.bool))[-1]

@@ -75,9 +75,18 @@ def add_serve_bench_options(p: argparse.ArgumentParser) -> None:
                    help="run 'ddtree serve --port 0 ARGS...' meanwhile (the last flag)")  # fmt: skip
 
 
+SERVE_EXAMPLES = """examples:
+  ddtree bench serve --base-url http://127.0.0.1:8000 --concurrency 1,4,16
+  ddtree bench serve --concurrency 1,16 --max-tokens 128 --start-server --max-batch-size 16"""
+
+
 def register_bench_serve(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser(
-        "serve", help="load a running server over HTTP (throughput, TTFT, TPOT, ITL)"
+        "serve",
+        help="load a running server over HTTP (throughput, TTFT, TPOT, ITL)",
+        description="Drive an OpenAI-compatible server with streaming completions at each concurrency level "
+        "(or a Poisson request rate) and report throughput and latency percentiles.",
+        epilog=SERVE_EXAMPLES,
     )
     add_serve_bench_options(serve)
     serve.set_defaults(func=run_serve_bench_command)

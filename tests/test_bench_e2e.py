@@ -143,3 +143,24 @@ def test_prompt_files(setup, tmp_path):
     bad.write_text('{"prompt": ""}\n')
     with pytest.raises(DDTreeError, match="bad.jsonl:1"):
         load_prompts(bad)
+
+
+def test_concurrency_sweep_keeps_c_requests_in_flight_and_changes_no_greedy_output(setup, tmp_path):
+    out = tmp_path / "conc"
+    flags = "--methods ar,dflash,ddtree,hf --budgets 4 --temperatures 0,1 --num-prompts 3 --concurrency 1,4"
+    main(bench_args(setup, out, *flags.split(), "--max-new-tokens", "10"))
+    for name in ("results.json", "results.md", "throughput_concurrency.png"):
+        assert (out / name).stat().st_size > 0, name
+    results = json.loads((out / "results.json").read_text())
+    assert results["t0_check"]["passed"] and results["t0_check"]["checked"] == (3 + 8) * 3  # hf is batch-1
+    records = results["records"]
+    assert [(r["label"], r["temperature"], r["concurrency"]) for r in records[:3]] == [
+        ("ar", 0.0, 1), ("dflash", 0.0, 1), ("ddtree@4", 0.0, 1)
+    ]  # fmt: skip
+    for r in records:
+        assert r["requests"] == max(2 * r["concurrency"], 3) and r["tokens_per_second"] > 0
+        assert r["mean_rows_per_step"] <= r["concurrency"]
+    assert (
+        max(r["mean_rows_per_step"] for r in records if r["concurrency"] == 4) > 2
+    )  # rows really shared steps
+    assert "## Goals" in (out / "results.md").read_text()

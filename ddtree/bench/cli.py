@@ -70,6 +70,9 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (torch's default if omitted)")
     p.add_argument("--tree-vocab", type=int, default=32768,
                    help="vocabulary of the tree-build timing; 0 = skip it")  # fmt: skip
+    p.add_argument("--concurrency", type=_csv(int, "--concurrency"), default=None,
+                   help="instead of one request at a time: keep C requests in flight in the batched engine, "
+                   "for each C of this list (e.g. 1,4,16); reports throughput vs concurrency")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -88,7 +91,7 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     register_bench_serve(bench.add_subparsers(dest="bench_command", metavar="serve"))
 
 
-def load_engine(args: argparse.Namespace, needs_drafter: bool):
+def load_engine(args: argparse.Namespace, needs_drafter: bool, max_batch_size: int = 1):
     """The engine for the flags; the built-in pair when no model directory is given."""
     import torch
 
@@ -106,7 +109,10 @@ def load_engine(args: argparse.Namespace, needs_drafter: bool):
     device = check_device(args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     method = "ddtree" if drafter is not None else "ar"
-    return Engine.from_pretrained(target, drafter, method=method, device=device, dtype=dtype), target, drafter
+    engine = Engine.from_pretrained(
+        target, drafter, method=method, device=device, dtype=dtype, max_batch_size=max_batch_size
+    )
+    return engine, target, drafter
 
 
 def run_bench_command(args: argparse.Namespace) -> None:
@@ -141,9 +147,15 @@ def run_bench_command(args: argparse.Namespace) -> None:
     if args.tree_vocab < 0:
         raise DDTreeError(f"--tree-vocab must be >= 0, got {args.tree_vocab}")
     prompts = load_prompts(args.prompts, args.num_prompts)
-    engine, target_dir, drafter_dir = load_engine(args, cfg.needs_drafter)
+    levels = args.concurrency or (1,)
+    if min(levels) < 1:
+        raise DDTreeError(f"--concurrency levels must be >= 1, got {min(levels)}")
+    engine, target_dir, drafter_dir = load_engine(args, cfg.needs_drafter, max_batch_size=max(levels))
     prompt_ids = encode_prompts(engine, prompts, cfg.max_new_tokens)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.concurrency is not None:
+        run_concurrency_command(args, cfg, engine, prompt_ids)
+        return
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # generate()'s per-call notices would bury the progress bar
@@ -194,6 +206,49 @@ def run_bench_command(args: argparse.Namespace) -> None:
     print(f"\nwrote results.json, results.md, tau_speedup.png, acceptance_histogram.png to {args.out}")
     announce(check)
     if not check["passed"]:
+        sys.exit(MISMATCH_EXIT_CODE)
+
+
+def run_concurrency_command(args: argparse.Namespace, cfg, engine, prompt_ids: list[list[int]]) -> None:
+    """``--concurrency``: the throughput sweep; writes results.json, results.md and a plot."""
+    from ddtree.bench.check import MISMATCH_EXIT_CODE
+    from ddtree.bench.concurrency import goals, greedy_check, markdown, plot_throughput, run_concurrency
+    from ddtree.bench.machine import machine_info
+    from ddtree.bench.report import write_json
+
+    started = time.perf_counter()
+    records = run_concurrency(engine, prompt_ids, cfg, tuple(args.concurrency), progress=not args.no_progress)
+    check = greedy_check(records, len(prompt_ids))
+    results = {
+        "config": {
+            "prompts": str(args.prompts),
+            "num_prompts": len(prompt_ids),
+            "methods": [m for m in cfg.methods if m in ("ar", "dflash", "ddtree")],
+            "budgets": list(cfg.budgets),
+            "temperatures": list(cfg.temperatures),
+            "concurrency": list(args.concurrency),
+            "max_new_tokens": cfg.max_new_tokens,
+            "topk": cfg.topk,
+            "seed": cfg.seed,
+            "argv": sys.argv,
+        },
+        "machine": machine_info(engine.device, engine.dtype),
+        "wall_seconds": time.perf_counter() - started,
+        "t0_check": check,
+        "goals": goals(records),
+        "records": records,
+    }
+    write_json(args.out / "results.json", results)
+    text = markdown(results)
+    (args.out / "results.md").write_text(text)
+    plot_throughput(records, args.out / "throughput_concurrency.png")
+    sys.stdout.write(text)
+    print(f"\nwrote results.json, results.md, throughput_concurrency.png to {args.out}")
+    if not check["passed"]:
+        print(
+            f"ddtree: error: {len(check['mismatches'])} greedy responses differ from plain decoding",
+            file=sys.stderr,
+        )
         sys.exit(MISMATCH_EXIT_CODE)
 
 

@@ -15,7 +15,7 @@ from ddtree import __version__
 from ddtree.argparsing import Parser, add_draft_topk
 from ddtree.bench.cli import register_bench
 from ddtree.errors import DDTreeError
-from ddtree.params import METHODS, check_accept_thresholds, check_speculative_options
+from ddtree.params import METHODS, check_accept_thresholds, check_speculative_options, parse_budget
 from ddtree.training.cli import register as register_train
 
 DESCRIPTION = """\
@@ -47,7 +47,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         default="ddtree",
         help="ddtree: draft tree; dflash: the drafter's argmax chain; ar: plain decoding",
     )
-    p.add_argument("--budget", type=int, default=DEFAULT_BUDGET, help="ddtree: draft tree nodes per round")
+    p.add_argument("--budget", type=parse_budget, default=DEFAULT_BUDGET,
+                   help="ddtree: draft tree nodes per round, or 'auto' (chosen per round from the measured "
+                   "cost and the calibrated acceptance)")  # fmt: skip
     add_draft_topk(p)
     p.add_argument(
         "--speculative-accept-threshold-single",

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ddtree.budget import AcceptanceCalibration, CostModel, choose_counts
 from ddtree.commit import OutputState, TokenLogprobs, pack_accepted, token_logprobs
 from ddtree.drafter import DFlashDrafter
 from ddtree.errors import DDTreeError
@@ -45,6 +46,7 @@ from ddtree.models import (
     load_target,
 )
 from ddtree.params import (
+    AUTO,
     METHODS,
     SamplingParams,
     check_accept_thresholds,
@@ -95,9 +97,10 @@ class GenerationStats:
     """
 
     method: str
-    budget: int
+    budget: int | str  # "auto": chosen per round (see drafted_nodes)
     prompt_tokens: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
+    drafted_nodes: list[int] = field(default_factory=list)  # drafted nodes verified per round
     stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -125,6 +128,7 @@ class GenerationStats:
             "rounds": self.rounds,
             "tau": self.tau,
             "acceptance_lengths": list(self.acceptance_lengths),
+            "drafted_nodes": list(self.drafted_nodes),
             "stage_seconds": dict(self.stage_seconds),
             "prefill_seconds": self.prefill_seconds,
             "decode_seconds": self.decode_seconds,
@@ -170,7 +174,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     method: str
-    budget: int
+    budget: int | str
     topk: int | None
     output: OutputState
     stats: GenerationStats
@@ -180,12 +184,17 @@ class Request:
     start: int = 0
     root: int = -1
     draft_len: int = 0
-    features: torch.Tensor | None = None  # [C, F * H]
+    features: list[torch.Tensor] = field(default_factory=list)  # [C_i, F * H] per round not drafted on
     emitted_text: str = ""  # text already returned in deltas
+    auto_width: int = 8  # budget "auto": drafted nodes chosen last time (sizes the next candidate tree)
 
     @property
     def drafts(self) -> bool:
         return self.method != "ar"
+
+    @property
+    def auto(self) -> bool:
+        return self.budget == AUTO
 
 
 @dataclass
@@ -221,6 +230,9 @@ class Engine:
         max_prefill_tokens: int = 512,
         accept_threshold_single: float = 1.0,
         accept_threshold_acc: float = 1.0,
+        auto_max_budget: int = 64,
+        sampling_aware_trees: bool = True,
+        cost_model: CostModel | None = None,
     ) -> None:
         self.target = target.eval()
         self.tokenizer = tokenizer
@@ -231,7 +243,11 @@ class Engine:
             accept_threshold_single, accept_threshold_acc
         )
         context = int(getattr(target.config, "max_position_embeddings", 1 << 30))
-        for name, value in (("max_batch_size", max_batch_size), ("max_prefill_tokens", max_prefill_tokens)):
+        for name, value in (
+            ("max_batch_size", max_batch_size),
+            ("max_prefill_tokens", max_prefill_tokens),
+            ("auto_max_budget", auto_max_budget),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DDTreeError(f"{name} must be an integer >= 1, got {value!r}")
         if max_model_len is not None and (
@@ -245,6 +261,15 @@ class Engine:
         self.max_model_len = max_model_len or context
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
+        self.auto_max_budget = auto_max_budget
+        # Sampled rows build their tree from the drafter's distribution under the request's own sampling
+        # transform, so the tree holds what the target will sample (verification is unchanged).
+        self.sampling_aware_trees = sampling_aware_trees
+        self.cost = cost_model or CostModel()  # measured at the first auto round, then kept current
+        self.calibration = AcceptanceCalibration()
+        self._costs_measured = False
+        self.auto_skip = 0  # rounds left in which "auto" rows run plain (no drafter pass)
+        self._auto_backoff = 0  # length of the last such stretch: 1, 2, 4, ... AUTO_MAX_BACKOFF
         self.device = next(target.parameters()).device
         self.dtype = next(target.parameters()).dtype
         self.embed = target.get_input_embeddings()
@@ -314,6 +339,11 @@ class Engine:
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    @property
+    def running(self) -> list[Request]:
+        """The running requests, in cache-row order (their state is public; the engine owns it)."""
+        return list(self._running)
 
     @property
     def num_waiting(self) -> int:
@@ -533,7 +563,7 @@ class Engine:
             self._running.append(r)
             if r.drafts:
                 r.draft_row, r.draft_len = len(self._drafting), 0
-                r.features = features[i, : r.start]  # [P_i, F * H]
+                r.features = [features[i, : r.start]]  # [P_i, F * H]
                 self._drafting.append(r)
             want = r.params.logprobs is not None
             r.output.write(
@@ -575,7 +605,7 @@ class Engine:
                 last.draft_row = r.draft_row
                 self._drafting[r.draft_row] = last
         r.row = r.draft_row = -1
-        r.features = None
+        r.features = []
 
     # -- the round ---------------------------------------------------------------------------------------
 
@@ -584,14 +614,24 @@ class Engine:
         t_round = self._now()
         rows = list(self._running)  # in cache-row order
         seconds = dict.fromkeys(STAGES, 0.0)
+        # "auto" rows skip the drafter during a stretch of plain rounds (drafting did not pay lately).
+        drafting = [r for r in self._drafting if not (r.auto and self.auto_skip)]
+        self.auto_skip = max(self.auto_skip - 1, 0)
         with self._stage(seconds, "draft"):
-            draft_logits = self._draft() if self._drafting else {}
+            draft_logits = self._draft(drafting) if drafting else {}
         with self._stage(seconds, "tree"):
             trees = [self._tree(r, draft_logits.get(r.request_id)) for r in rows]
+            if any(r.auto and r.request_id in draft_logits for r in rows):
+                trees = self._choose_auto(rows, trees, len(drafting))
         with self._stage(seconds, "compile"):
             batch = self._verify_inputs(rows, trees)
             sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-            retrieves = {i: compile_ddtree_retrieve(trees[i].parents, trees[i].logw) for i in sampled}
+            retrieves = {
+                i: compile_ddtree_retrieve(trees[i].parents, trees[i].logw)
+                if trees[i].num_nodes > 1
+                else None
+                for i in sampled
+            }
         with self._stage(seconds, "verify"):
             write = self.cache.at(slice(0, len(rows)), batch.cols, batch.span)
             feature_layers = self.drafter.target_layer_ids if self._drafting else None
@@ -605,27 +645,36 @@ class Engine:
                 probs = filtered_probs(logits, SamplingTensors.from_params([rows[i].params for i in sampled]))
         with self._stage(seconds, "accept"):
             verdicts = self._accept(rows, trees, greedy_heads, sampled, retrieves, probs)
+        self._learn(rows, trees, verdicts)
         with self._stage(seconds, "commit"):
             deltas = self._commit(rows, verdicts, hidden, features)
         elapsed = self._now() - t_round
+        self.cost.observe(batch.ids.numel(), seconds["verify"], len(drafting), seconds["draft"], elapsed)
         for r in rows:
             for name, value in seconds.items():
                 r.stats.stage_seconds[name] += value
             r.stats.decode_seconds += elapsed
         return deltas
 
-    def _draft(self) -> dict[str, torch.Tensor]:
-        """One drafter pass over every drafting row's [root, MASK x (block_size - 1)]; returns each row's
-        draft logits [depth, V] (depth as deep as its tree can grow)."""
-        rows = self._drafting
+    def _draft(self, rows: list[Request]) -> dict[str, torch.Tensor]:
+        """One drafter pass over these rows' [root, MASK x (block_size - 1)]; returns each row's draft
+        logits [depth, V] (depth as deep as its tree can grow).
+
+        A row's context may hold the features of several rounds (budget "auto" skips the drafter while
+        drafting does not pay): the pass catches up on all of them, so the drafter's cache ends up exactly
+        as if it had drafted every round.
+        """
         b, bs = len(rows), self.drafter.block_size
         device, scratch = self.device, self.draft_cache.scratch
-        c = max(r.features.shape[0] for r in rows)
-        features = torch.zeros(b, c, rows[0].features.shape[1], dtype=rows[0].features.dtype, device=device)
-        num_ctx = torch.tensor([r.features.shape[0] for r in rows], device=device)  # [B]
+        context = [
+            torch.cat(r.features) if len(r.features) > 1 else r.features[0] for r in rows
+        ]  # [C_b, F*H]
+        c = max(x.shape[0] for x in context)
+        features = torch.zeros(b, c, context[0].shape[1], dtype=context[0].dtype, device=device)
+        num_ctx = torch.tensor([x.shape[0] for x in context], device=device)  # [B]
         draft_len = torch.tensor([r.draft_len for r in rows], device=device)  # [B]
-        for i, r in enumerate(rows):
-            features[i, : r.features.shape[0]] = r.features  # [B, C, F * H], right-padded
+        for i, x in enumerate(context):
+            features[i, : x.shape[0]] = x  # [B, C, F * H], right-padded
         j = torch.arange(c, device=device)[None]  # [1, C]
         ctx_positions = torch.where(j < num_ctx[:, None], draft_len[:, None] + j, 0)  # [B, C]
         ctx_cols = torch.where(j < num_ctx[:, None], draft_len[:, None] + j, scratch)  # [B, C]
@@ -637,7 +686,10 @@ class Engine:
         mask = (torch.arange(span, device=device)[None] < ends[:, None])[:, None, None]  # [B, 1, 1, span]
         block = torch.full((b, bs), self.drafter.mask_token_id, device=device)
         block[:, 0] = torch.tensor([r.root for r in rows], device=device)
-        write = self.draft_cache.at(slice(0, b), torch.cat((ctx_cols, block_cols), dim=1), span)
+        cache_rows = [r.draft_row for r in rows]
+        contiguous = cache_rows == list(range(b))
+        where = slice(0, b) if contiguous else torch.tensor(cache_rows, device=device)
+        write = self.draft_cache.at(where, torch.cat((ctx_cols, block_cols), dim=1), span)
         hidden = self.drafter(
             self.embed(block), features, block_cols, ctx_positions, write, mask
         )  # [B, S, H]
@@ -646,7 +698,7 @@ class Engine:
         logits = F.linear(hidden, self.draft_head, self.draft_head_bias).float()  # [B, depth, V]
         out = {}
         for i, r in enumerate(rows):
-            r.draft_len, r.features = r.start, None
+            r.draft_len, r.features = r.start, []
             out[r.request_id] = logits[i, : depths[i]]
         return out
 
@@ -654,25 +706,100 @@ class Engine:
         """Tree nodes row r can still hold: its cache columns from ``start`` to the capacity."""
         return self.max_model_len - r.start
 
+    def _budget(self, r: Request) -> int:
+        """Nodes of the tree built this round; for "auto", candidates: twice what was chosen last time."""
+        return min(self.auto_max_budget, max(8, 2 * r.auto_width)) if r.auto else r.budget
+
     def _draft_depth(self, r: Request) -> int:
         # A tree of `budget` nodes is at most `budget` deep: deeper rows would never be read.
-        depth = (
-            self.drafter.block_size - 1
-            if r.method == "dflash"
-            else min(r.budget, self.drafter.block_size - 1)
-        )
+        block = self.drafter.block_size - 1
+        depth = block if r.method == "dflash" else min(self._budget(r), block)
         return max(1, min(depth, self._room(r) - 1))
 
     def _tree(self, r: Request, draft_logits: torch.Tensor | None) -> DraftTree:
-        """Row r's tree: the root alone (``ar``), the argmax chain (``dflash``) or the best-first tree."""
+        """Row r's tree: the root alone (``ar``, or no draft this round), the argmax chain (``dflash``) or
+        the best-first tree (``ddtree``; with budget "auto", of ``auto_max_budget`` candidates)."""
         room = self._room(r) - 1  # drafted nodes that still fit in the row (a tree never changes the output)
         if draft_logits is None or room < 1:
             return DraftTree.root_only(r.root)
         if r.method == "dflash":
-            return build_ddtree_tree(
-                draft_logits, min(draft_logits.shape[0], room), topk=1, root_token=r.root
-            )
-        return build_ddtree_tree(draft_logits, min(r.budget, room), topk=r.topk, root_token=r.root)
+            depth = min(draft_logits.shape[0], room)
+            return build_ddtree_tree(draft_logits, depth, topk=1, root_token=r.root)
+        if self.sampling_aware_trees and not r.params.greedy:
+            sampling = SamplingTensors.from_params([r.params], draft_logits.device)
+            draft_logits = filtered_probs(draft_logits[None], sampling)[
+                0
+            ].log()  # [depth, V], -inf = filtered
+        return build_ddtree_tree(draft_logits, min(self._budget(r), room), topk=r.topk, root_token=r.root)
+
+    def _choose_auto(self, rows: list[Request], trees: list[DraftTree], draft_rows: int) -> list[DraftTree]:
+        """Cut every "auto" row's candidate tree to the prefix of its pop order that maximises the batch's
+        expected tokens per second (ddtree.budget), and decide which rows skip the drafter next."""
+        if not (self._costs_measured or self.cost.frozen):
+            self._measure_costs()
+        auto = [i for i, r in enumerate(rows) if r.auto and trees[i].num_nodes > 1]
+        base = float(len(rows))  # every row commits at least its bonus token
+        for i, tree in enumerate(trees):
+            if i not in auto and tree.num_nodes > 1:
+                base += self._expected_accepts(rows[i], tree.logw[1:].exp().numpy()).sum()
+        widest_fixed = max((t.num_nodes for i, t in enumerate(trees) if i not in auto), default=1)
+        b = len(rows)
+
+        def seconds(total: np.ndarray, widest: np.ndarray) -> np.ndarray:
+            width = np.maximum(widest + 1, widest_fixed)  # the forward pads every row to the widest tree
+            return self.cost.round_seconds(b * width, draft_rows)
+
+        probs = [trees[i].logw[1:].exp().numpy() for i in auto]  # [n_i] path probabilities, pop order
+        gains = [self._expected_accepts(rows[i], p) for i, p in zip(auto, probs, strict=True)]
+        counts = choose_counts(probs, gains, base, seconds)
+        # Drafting pays when the chosen trees beat a plain round that skips the drafter altogether.
+        chosen_gain = base + sum(g[:k].sum() for g, k in zip(gains, counts, strict=True))
+        widest = max(counts, default=0)
+        rate = chosen_gain / seconds(np.array(sum(counts)), np.array(widest))
+        plain_rate = base / self.cost.round_seconds(b * widest_fixed, draft_rows - len(auto))
+        # The drafter pass costs about the same for one row as for all, so the stretch is batch-wide.
+        if rate < plain_rate:  # back off: 1, 2, 4, ... plain rounds, then probe again
+            self._auto_backoff = min(max(2 * self._auto_backoff, 1), self.AUTO_MAX_BACKOFF)
+            self.auto_skip = self._auto_backoff
+        else:
+            self._auto_backoff = 0
+        out = list(trees)
+        for i, k in zip(auto, counts, strict=True):
+            out[i] = trees[i].prefix(k + 1)
+            rows[i].auto_width = k
+        return out
+
+    AUTO_MAX_BACKOFF = 64  # the longest stretch of plain rounds before "auto" rows draft again
+
+    def _expected_accepts(self, r: Request, probs: np.ndarray) -> np.ndarray:
+        return self.calibration.calibrate("greedy" if r.params.greedy else "sampled", probs)
+
+    def _learn(self, rows: list[Request], trees: list[DraftTree], verdicts: list) -> None:
+        """Record each row's drafted nodes and calibrate draft path probabilities against what the target
+        accepted (ddtree rows)."""
+        for r, tree, (nodes, _) in zip(rows, trees, verdicts, strict=True):
+            r.stats.drafted_nodes.append(tree.num_nodes - 1)
+            if r.method != "ddtree" or tree.num_nodes == 1:
+                continue
+            accepted = np.zeros(tree.num_nodes - 1, dtype=bool)
+            accepted[[j - 1 for j in nodes[1:]]] = True
+            kind = "greedy" if r.params.greedy else "sampled"
+            self.calibration.observe(kind, tree.logw[1:].exp().numpy(), accepted)
+
+    def _measure_costs(self) -> None:
+        """Seed the cost model with a few timed forwards (writes go to the scratch column only)."""
+        self._costs_measured = True
+        device, scratch = self.device, self.cache.scratch
+        span = scratch + 1
+        for tokens in (1, 8, 32, 8, 1, 32):
+            ids = torch.zeros(1, tokens, dtype=torch.int64, device=device)
+            cols = torch.full((1, tokens), scratch, device=device)
+            mask = torch.zeros(1, 1, tokens, span, dtype=torch.bool, device=device)
+            mask[..., scratch] = True
+            t = self._now()
+            with torch.inference_mode():
+                self.forward(ids, cols * 0, self.cache.at(slice(0, 1), cols, span), mask)
+            self.cost.verify.observe(tokens, self._now() - t)
 
     def _verify_inputs(self, rows: list[Request], trees: list[DraftTree]) -> VerifyBatch:
         sizes = [t.num_nodes for t in trees]
@@ -781,7 +908,8 @@ class Engine:
             taken = r.output.write(tokens, logprobs)
             m = len(nodes)
             if r.drafts:  # [N, F * H] -> [m, F * H]; a first-child chain needs no gather
-                r.features = features[i, :m] if nodes[-1] == m - 1 else features[i, nodes]
+                # Rows that skipped the drafter this round keep their earlier unconsumed features too.
+                r.features.append(features[i, :m] if nodes[-1] == m - 1 else features[i, nodes])
             r.start += m
             r.root = tokens[-1]
             r.stats.acceptance_lengths.append(len(tokens))

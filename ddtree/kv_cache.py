@@ -69,12 +69,20 @@ class CacheWrite:
     token; the scratch column for padding), and how many leading columns attention reads (``span``)."""
 
     cache: KVCache
-    rows: slice
+    rows: slice | torch.Tensor  # a slice (views, the common case) or [B] row indices (a subset of rows)
     cols: torch.Tensor  # [B, T] int64
     span: int
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k/v [B, kv_heads, T, D]; return the rows' keys/values [B, kv_heads, span, D] (views)."""
+        """Store k/v [B, kv_heads, T, D]; return the rows' keys/values [B, kv_heads, span, D] (views, or
+        copies of the first ``span`` columns when ``rows`` picks a subset)."""
+        if isinstance(self.rows, torch.Tensor):
+            r = self.rows[:, None]  # [B, 1] against cols [B, T]
+            out = []
+            for buf, new in ((self.cache.keys[layer], k), (self.cache.values[layer], v)):
+                buf[r, :, self.cols] = new.transpose(1, 2).to(buf.dtype)  # [B, T, kv_heads, D]
+                out.append(buf[self.rows, :, : self.span])
+            return out[0], out[1]
         keys = self.cache.keys[layer][self.rows]  # [B, kv_heads, C + 1, D] view
         values = self.cache.values[layer][self.rows]
         index = self.cols[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # [B, kv_heads, T, D]

@@ -12,18 +12,31 @@ from ddtree.errors import DDTreeError
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5
 METHODS = ("ddtree", "dflash", "ar")
+AUTO = "auto"  # budget: chosen per round and row from expected tokens per second (ddtree.budget)
 
 
-def check_speculative_options(method: str, budget: int, topk: int | None) -> tuple[str, int, int | None]:
-    """``method`` is one of METHODS, ``budget`` (tree nodes per round) and ``topk`` (candidates per depth,
-    None = no cap) are integers >= 1; returns them unchanged."""
+def check_speculative_options(
+    method: str, budget: int | str, topk: int | None
+) -> tuple[str, int | str, int | None]:
+    """``method`` is one of METHODS, ``budget`` (tree nodes per round) an integer >= 1 or "auto", and
+    ``topk`` (candidates per depth, None = no cap) an integer >= 1; returns them unchanged."""
     if method not in METHODS:
         raise DDTreeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    if not _is_int(budget) or budget < 1:
-        raise DDTreeError(f"budget must be an integer >= 1, got {budget!r}")
+    if budget != AUTO and (not _is_int(budget) or budget < 1):
+        raise DDTreeError(f"budget must be an integer >= 1 or 'auto', got {budget!r}")
     if topk is not None and (not _is_int(topk) or topk < 1):
         raise DDTreeError(f"topk must be an integer >= 1, got {topk!r}")
     return method, budget, topk
+
+
+def parse_budget(text: str) -> int | str:
+    """A budget flag's value: "auto" or an integer (validated by ``check_speculative_options``)."""
+    if text.strip() == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise DDTreeError(f"budget must be an integer >= 1 or 'auto', got {text!r}") from None
 
 
 def check_accept_thresholds(single: float, acc: float) -> tuple[float, float]:

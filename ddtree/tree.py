@@ -32,6 +32,10 @@ class DraftTree:
     def num_nodes(self) -> int:
         return self.tokens.numel()
 
+    def prefix(self, n: int) -> DraftTree:
+        """The first ``n`` nodes in pop order: a tree too, since parents come before their children."""
+        return DraftTree(self.tokens[:n], self.depths[:n], self.parents[:n], self.logw[:n])
+
     @classmethod
     def root_only(cls, root_token: int) -> DraftTree:
         """The tree plain autoregressive decoding verifies: nothing drafted, only the bonus token."""

@@ -13,8 +13,9 @@ so the check covers the batched round (padding, per-row parameters and generator
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from ddtree.budget import CostModel, LinearCost
 from ddtree.drafter import DFlashDrafter, dflash_config
 from ddtree.engine import Engine
 from ddtree.params import SamplingParams
@@ -145,6 +147,7 @@ class Draws:
     rounds: int = 0
     multi_token_rounds: int = 0  # rounds that accepted at least one drafted token
     side_branch_rounds: int = 0  # rounds whose accepted path left the drafter's first choice somewhere
+    sizes: Counter = field(default_factory=Counter)  # drafted nodes verified per round -> rounds
 
 
 def draw(engine: Engine, method: str, params: SamplingParams, samples: int, seed: int) -> Draws:
@@ -196,6 +199,7 @@ def draw(engine: Engine, method: str, params: SamplingParams, samples: int, seed
                     draws.counts[(a * VOCAB + b) * VOCAB + c] += 1
                     draws.rounds += delta.stats.rounds
                     draws.multi_token_rounds += sum(n > 1 for n in delta.stats.acceptance_lengths)
+                    draws.sizes.update(delta.stats.drafted_nodes)
     assert draws.counts.sum() == samples
     return draws
 
@@ -233,11 +237,12 @@ def assert_tree_path_exercised(draws: Draws, method: str) -> None:
 
 
 def sample_and_fit(
-    models, method: str, setting: str, samples: int, seed: int, threshold_acc: float = 1.0
+    models, method: str, setting: str, samples: int, seed: int, threshold_acc: float = 1.0, **engine_options
 ) -> tuple[Draws, float, float]:
     """Draw through the engine and test the counts against the exact law; p-values shown by -rP."""
     params = SETTINGS[setting]
-    engine = Engine(*models, budget=BUDGET, max_batch_size=BATCH, accept_threshold_acc=threshold_acc)
+    options = {"budget": BUDGET} | engine_options
+    engine = Engine(*models, max_batch_size=BATCH, accept_threshold_acc=threshold_acc, **options)
     draws = draw(engine, method, params, samples, seed)
     chi2_p, g_p = fit_p_values(draws.counts, exact_law(models[0], params))
     print(
@@ -269,6 +274,17 @@ def test_fit_accepts_direct_draws_from_the_law_and_rejects_impossible_ones(real_
 def test_ddtree_samples_follow_target_distribution(real_models):
     draws, chi2_p, g_p = sample_and_fit(real_models, "ddtree", "T=1", N_FAST, seed=0)
     assert_tree_path_exercised(draws, "ddtree")
+    assert chi2_p > P_PASS and g_p > P_PASS, (chi2_p, g_p)
+
+
+def test_auto_budget_samples_follow_target_distribution(real_models):
+    """budget "auto" with a given cost (a fixed verify cost per node, a drafter pass worth 40% of a round):
+    the chosen tree sizes vary from round to round, 0 included, and the samples keep the target's law."""
+    cost = CostModel(verify=LinearCost(1.0, 0.02), draft=LinearCost(0.4, 0.0), frozen=True)
+    draws, chi2_p, g_p = sample_and_fit(
+        real_models, "ddtree", "T=1", N_FAST, seed=0, budget="auto", cost_model=cost
+    )
+    assert draws.sizes[0] >= 0.05 * draws.rounds and len(draws.sizes) >= 3, draws.sizes
     assert chi2_p > P_PASS and g_p > P_PASS, (chi2_p, g_p)
 
 

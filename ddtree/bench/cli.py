@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ddtree.argparsing import Parser, add_draft_topk
 from ddtree.errors import DDTreeError
+from ddtree.params import parse_budget
 
 DEFAULT_METHODS = "ar,dflash,ddtree,hf,hf-pld"
 DEFAULT_BUDGETS = "4,8,16,32,64,128"
@@ -45,7 +46,7 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", type=_csv(str, "--methods"), default=DEFAULT_METHODS,
                    help="comma-separated, from ar,dflash,ddtree,hf,hf-pld; "
                    "hf = HF generate(), hf-pld = its prompt lookup decoding")  # fmt: skip
-    p.add_argument("--budgets", type=_csv(int, "--budgets"), default=DEFAULT_BUDGETS,
+    p.add_argument("--budgets", type=_csv(parse_budget, "--budgets"), default=DEFAULT_BUDGETS,
                    help="ddtree budgets, comma-separated")  # fmt: skip
     p.add_argument("--temperatures", type=_csv(float, "--temperatures"), default="0,1",
                    help="sampling temperatures, comma-separated; 0 = greedy")  # fmt: skip

@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ddtree.bench.runner import BenchConfig, Spec, seed_for
-from ddtree.params import SamplingParams
+from ddtree.params import AUTO, SamplingParams
 from ddtree.stats import mean_acceptance_length
 
 
@@ -138,9 +138,10 @@ def goals(records: list[dict]) -> list[dict]:
             ]
             return max(found) if found else None
 
+        fixed = lambda r: r["method"] == "ddtree" and r["budget"] != AUTO  # noqa: E731
         lo, hi = levels[0], levels[-1]
         ar_lo, ar_hi = tps(lambda r: r["method"] == "ar", lo), tps(lambda r: r["method"] == "ar", hi)
-        dd_lo, dd_hi = tps(lambda r: r["method"] == "ddtree", lo), tps(lambda r: r["method"] == "ddtree", hi)
+        dd_lo, dd_hi = tps(fixed, lo), tps(fixed, hi)
         if ar_lo and ar_hi and hi != lo:
             target = 4.0 if (lo, hi) == (1, 16) else None
             out.append(_goal(temperature, f"ar at c={hi} / ar at c={lo}", ar_hi[0] / ar_lo[0], target))
@@ -154,14 +155,26 @@ def goals(records: list[dict]) -> list[dict]:
                 )
             )
         for c in levels:
-            ar_c, dd_c = tps(lambda r: r["method"] == "ar", c), tps(lambda r: r["method"] == "ddtree", c)
+            ar_c, dd_c = tps(lambda r: r["method"] == "ar", c), tps(fixed, c)
             if ar_c and dd_c:
+                target = 1.3 if c == 4 else None
                 out.append(
                     _goal(
                         temperature,
                         f"best ddtree at c={c} ({dd_c[1]}) / ar at c={c}",
                         dd_c[0] / ar_c[0],
-                        1.3 if c == 4 else None,
+                        target,
+                    )
+                )
+            auto_c = tps(lambda r: r["budget"] == AUTO, c)
+            if auto_c and ar_c:
+                best = max(ar_c, dd_c or ar_c)
+                out.append(
+                    _goal(
+                        temperature,
+                        f"ddtree@auto at c={c} / max(ar, best fixed: {best[1]})",
+                        auto_c[0] / best[0],
+                        0.97,
                     )
                 )
     return out

@@ -13,6 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot loads)
 
 from ddtree.bench.report import best_ddtree  # noqa: E402
+from ddtree.params import AUTO  # noqa: E402
 
 _REFERENCE_STYLE = {
     "ar": ("black", ":"),
@@ -28,7 +29,8 @@ def plot_tau_speedup(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(2, len(temperatures), figsize=(5 * len(temperatures), 7), squeeze=False)
     for col, temperature in enumerate(temperatures):
         mine = [r for r in rows if r["temperature"] == temperature]
-        tree = sorted((r for r in mine if r["method"] == "ddtree"), key=lambda r: r["budget"])
+        fixed = [r for r in mine if r["method"] == "ddtree" and r["budget"] != AUTO]
+        tree = sorted(fixed, key=lambda r: r["budget"])
         for row, (key, name) in enumerate((("tau", "tau (tokens / round)"), ("speedup", "speedup vs ar"))):
             ax = axes[row][col]
             points = [(r["budget"], r[key]) for r in tree if r[key] is not None]
@@ -39,7 +41,7 @@ def plot_tau_speedup(rows: list[dict], path: Path) -> None:
             # Reference lines often coincide (hf's tau is ar's 1.0; dflash's speedup can sit on ar's):
             # each is drawn thinner than the one before, so coinciding lines show as nested stripes,
             # and the legend gives every value.
-            references = [r for r in mine if r["method"] != "ddtree" and r[key] is not None]
+            references = [r for r in mine if r not in fixed and r[key] is not None]
             for i, r in enumerate(references):
                 color, style = _REFERENCE_STYLE.get(r["label"], ("gray", "--"))
                 width = 1.2 + 1.2 * (len(references) - 1 - i)

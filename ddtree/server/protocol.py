@@ -40,7 +40,9 @@ class SpeculativeOptions(_Strict):
     """Extension: how this request is decoded; unset fields keep the server's defaults."""
 
     method: Method | None = Field(None, description="ddtree (tree), dflash (linear chain) or ar (none)")
-    budget: int | None = Field(None, ge=1, le=MAX_BUDGET, description="draft tree nodes per round")
+    budget: Annotated[int, Field(ge=1, le=MAX_BUDGET)] | Literal["auto"] | None = Field(
+        None, description="draft tree nodes per round, or 'auto' (chosen per round)"
+    )
     topk: int | None = Field(None, ge=1, le=MAX_TOPK, description="cap on candidates per tree depth")
 
 
@@ -133,7 +135,7 @@ class SpeculativeStats(BaseModel):
     """
 
     method: str
-    budget: int
+    budget: int | str
     tau: float
     rounds: int
     acceptance_lengths: list[int]

@@ -1,0 +1,145 @@
+"""``budget="auto"``: how many drafted nodes each row verifies, chosen per round from expected tokens/second.
+
+A best-first draft tree pops its nodes in descending path probability, so before the target runs we know,
+for every prefix of the pop order, the expected number of tokens it commits: 1 (the bonus) plus the sum of
+the drafted nodes' acceptance probabilities. Those come from the drafter's path probabilities, calibrated
+online against what the target really accepted (the drafter may be over- or under-confident, and differently
+for greedy and sampled rows). The seconds a round costs come from a cost model measured on the running
+machine: the target forward as a linear function of the tokens it processes, the drafter pass as a linear
+function of its rows, and the round's fixed overhead. The choice grows all rows' trees in one global
+best-first order while the batch's expected tokens per second still rise (SmartSpec's goodput rule,
+arXiv 2406.14066). Output is lossless whatever is chosen: verification accepts from any tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class LinearCost:
+    """seconds = fixed + per_unit * units, fitted by exponentially weighted least squares (recent rounds
+    count more, so the model follows the machine's load)."""
+
+    fixed: float = 0.0
+    per_unit: float = 0.0
+    decay: float = 0.95
+    _stats: np.ndarray = field(default_factory=lambda: np.zeros(5))  # weight, sum x, sum y, sum xx, sum xy
+
+    def predict(self, units: float) -> float:
+        return self.fixed + self.per_unit * units
+
+    def observe(self, units: float, seconds: float) -> None:
+        self._stats = self.decay * self._stats + np.array(
+            [1.0, units, seconds, units * units, units * seconds]
+        )
+        w, sx, sy, sxx, sxy = self._stats
+        var = w * sxx - sx * sx
+        if var > 1e-12 * max(w * sxx, 1e-30):
+            slope = (w * sxy - sx * sy) / var
+            self.per_unit = max(slope, 0.0)
+            self.fixed = max((sy - self.per_unit * sx) / w, 0.0)
+        else:  # one size seen so far: keep the slope, move the level
+            self.fixed = max(sy / w - self.per_unit * sx / w, 0.0)
+
+
+@dataclass
+class CostModel:
+    """Seconds of one round: the target forward over ``tokens`` (all rows, padded), the drafter pass over
+    ``draft_rows`` rows (0 = no pass), and the rest of the round."""
+
+    verify: LinearCost = field(default_factory=LinearCost)
+    draft: LinearCost = field(default_factory=LinearCost)
+    overhead: float = 0.0
+    frozen: bool = False  # a given cost function (tests, or a user who measured it): no timing, no updates
+
+    def observe(self, verify_tokens: int, verify_seconds: float, draft_rows: int, draft_seconds: float,
+                round_seconds: float) -> None:  # fmt: skip
+        """One round's measurements: the forwards' sizes and seconds, and the whole round's seconds."""
+        if self.frozen:
+            return
+        self.verify.observe(verify_tokens, verify_seconds)
+        if draft_rows:
+            self.draft.observe(draft_rows, draft_seconds)
+        rest = max(round_seconds - verify_seconds - draft_seconds, 0.0)
+        self.overhead = 0.9 * self.overhead + 0.1 * rest
+
+    def round_seconds(self, tokens: int, draft_rows: int) -> float:
+        draft = self.draft.predict(draft_rows) if draft_rows else 0.0
+        return self.overhead + self.verify.predict(tokens) + draft
+
+
+class AcceptanceCalibration:
+    """P(a drafted node is accepted | its draft path probability), learned per kind ("greedy", "sampled").
+
+    Binned on the predicted probability; each bin starts with a weak prior at its own midpoint (the drafter
+    taken at its word) and moves toward the observed acceptance rate as verified nodes come in.
+    """
+
+    def __init__(self, bins: int = 20, prior: float = 4.0) -> None:
+        self.edges = np.linspace(0.0, 1.0, bins + 1)
+        mid = (self.edges[:-1] + self.edges[1:]) / 2
+        self._prior = (prior * mid, np.full(bins, prior))
+        self._counts: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _bins(self, probs: np.ndarray) -> np.ndarray:
+        return np.clip(np.searchsorted(self.edges, probs, side="right") - 1, 0, len(self.edges) - 2)
+
+    def calibrate(self, kind: str, probs: np.ndarray) -> np.ndarray:
+        hits, seen = self._counts.get(kind, self._prior)
+        return (hits / seen)[self._bins(probs)]
+
+    def observe(self, kind: str, probs: np.ndarray, accepted: np.ndarray) -> None:
+        hits, seen = self._counts.get(kind, self._prior)
+        b = self._bins(probs)
+        hits = hits + np.bincount(b, weights=accepted.astype(float), minlength=hits.size)
+        seen = seen + np.bincount(b, minlength=seen.size)
+        self._counts[kind] = (hits, seen)
+
+
+def choose_counts(
+    order_probs: list[np.ndarray],
+    gains: list[np.ndarray],
+    base_tokens: float,
+    seconds: Callable[[np.ndarray, np.ndarray], np.ndarray],
+) -> list[int]:
+    """Drafted nodes per row that maximise expected tokens per second.
+
+    ``order_probs[b]`` are row b's candidate nodes' draft path probabilities in pop order (non-increasing),
+    ``gains[b]`` their calibrated acceptance probabilities; ``base_tokens`` the tokens the batch commits with
+    no drafted node (one per row, plus whatever fixed-budget rows bring); ``seconds(total, widest)`` the
+    round's cost for arrays of (drafted nodes in all, drafted nodes of the widest row). Every pick keeps each
+    row's nodes a prefix of its pop order (a valid tree). Two families of picks are scored:
+      - prefixes of one global order of descending draft probability (best when the cost follows the
+        total: a packed forward);
+      - every row cut to the same width w (best when the cost follows the widest row: a forward that pads
+        every row to the widest tree costs the same whether the others fill their width or not).
+    The best-scoring pick wins, 0 nodes included; ties go to fewer nodes.
+    """
+    sizes = np.array([p.size for p in order_probs])
+    if sizes.sum() == 0:
+        return [0] * len(sizes)
+    probs = np.concatenate(order_probs)
+    owner = np.repeat(np.arange(len(sizes)), sizes)
+    rank = np.concatenate([np.arange(1, n + 1) for n in sizes])  # a node's place in its row's pop order
+    gain = np.concatenate(gains)
+    order = np.argsort(-probs, kind="stable")  # stable: within a row, pop order is kept
+    total = np.arange(0, order.size + 1)  # [K + 1] prefixes of the global order, 0 nodes first
+    widest = np.concatenate(([0], np.maximum.accumulate(rank[order])))
+    tokens = base_tokens + np.concatenate(([0.0], np.cumsum(gain[order])))
+    prefix_rates = tokens / seconds(total, widest)
+    # Same width for every row: row b takes min(w, n_b) nodes; cumulative gains per row, padded at the end.
+    widths = np.arange(0, sizes.max() + 1)  # [W + 1]
+    cum = np.zeros((len(sizes), widths.size))  # [B, W + 1] gain of row b's first w nodes
+    for b, g in enumerate(gains):
+        c = np.concatenate(([0.0], np.cumsum(g)))
+        cum[b] = c[np.minimum(widths, g.size)]
+    level_total = np.minimum(widths[None, :], sizes[:, None]).sum(axis=0)  # [W + 1]
+    level_rates = (base_tokens + cum.sum(axis=0)) / seconds(level_total, widths)
+    k, w = int(np.argmax(prefix_rates)), int(np.argmax(level_rates))
+    if level_rates[w] > prefix_rates[k]:
+        return np.minimum(w, sizes).tolist()
+    return np.bincount(owner[order[:k]], minlength=len(sizes)).tolist()

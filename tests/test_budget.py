@@ -1,0 +1,136 @@
+"""budget="auto": the cost model, the calibration, the choice, and that none of it changes an output."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from ddtree.budget import AcceptanceCalibration, CostModel, LinearCost, choose_counts
+from ddtree.engine import Engine
+from ddtree.params import SamplingParams
+from tests.test_engine_greedy import PROMPTS, hf_greedy
+
+
+def rate(counts, gains, base, seconds) -> float:
+    total = sum(counts)
+    widest = max(counts)
+    tokens = base + sum(g[:k].sum() for g, k in zip(gains, counts, strict=True))
+    return tokens / float(seconds(np.array(total), np.array(widest)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_choice_maximises_expected_tokens_per_second_against_brute_force(seed):
+    """Synthetic cost (convex in the nodes verified): the chosen sizes reach the best rate over every
+    combination of per-row tree sizes."""
+    rng = np.random.default_rng(seed)
+    probs = [np.sort(rng.uniform(0, 1, size=rng.integers(0, 6)))[::-1] for _ in range(3)]
+    gains = [0.8 * p for p in probs]  # calibration: monotone in the draft probability
+    a, b, c = rng.uniform(0.5, 2), rng.uniform(0.01, 0.3), rng.uniform(0, 0.02)
+
+    def seconds(total, widest):
+        return a + b * total + c * total**2
+
+    chosen = choose_counts(probs, gains, 3.0, seconds)
+    best = max(
+        rate(list(counts), gains, 3.0, seconds)
+        for counts in itertools.product(*(range(p.size + 1) for p in probs))
+    )
+    assert rate(chosen, gains, 3.0, seconds) == pytest.approx(best, rel=1e-12)
+    assert all(0 <= k <= p.size for k, p in zip(chosen, probs, strict=True))
+
+
+def test_a_given_cost_makes_the_choice_vary_and_keeps_greedy_lossless(pair):
+    """A cost where a drafted node costs 2% of a round: sizes from 0 up vary with the draft's confidence."""
+    target, drafter = pair
+    cost = CostModel(verify=LinearCost(1.0, 0.02), draft=LinearCost(0.2, 0.0), frozen=True)
+    engine = Engine(target, drafter, budget="auto", cost_model=cost)
+    sizes = set()
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, SamplingParams(max_new_tokens=40))
+        assert result.token_ids == hf_greedy(target, prompt, 40)
+        sizes |= set(result.stats.drafted_nodes)
+    assert 0 in sizes and len(sizes) >= 3, sizes
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_padded_cost_choice_matches_brute_force(seed):
+    """Cost of a forward padded to the widest tree (the engine's): every combination, brute force."""
+    rng = np.random.default_rng(100 + seed)
+    probs = [np.sort(rng.uniform(0, 1, size=rng.integers(0, 6)))[::-1] for _ in range(4)]
+    gains = [p**0.7 for p in probs]
+    a, b = rng.uniform(0.5, 2), rng.uniform(0.05, 0.5)
+
+    def seconds(total, widest):
+        return a + b * 4 * (1 + widest)
+
+    chosen = choose_counts(probs, gains, 4.0, seconds)
+    best = max(
+        rate(list(counts), gains, 4.0, seconds)
+        for counts in itertools.product(*(range(p.size + 1) for p in probs))
+    )
+    assert rate(chosen, gains, 4.0, seconds) == pytest.approx(best, rel=1e-12)
+
+
+def test_choice_is_zero_when_nothing_pays_and_everything_when_nodes_are_free():
+    probs = [np.array([0.9, 0.5, 0.1]), np.array([0.2])]
+    gains = probs
+    assert choose_counts(probs, gains, 2.0, lambda t, w: 1.0 + 10.0 * t) == [0, 0]
+    assert choose_counts(probs, gains, 2.0, lambda t, w: 1.0 + 0.0 * t) == [3, 1]
+
+
+def test_linear_cost_recovers_a_line_and_follows_a_change():
+    cost = LinearCost()
+    for units in [1, 8, 32, 64, 16, 4] * 3:
+        cost.observe(units, 0.002 + 0.0001 * units)
+    assert cost.fixed == pytest.approx(0.002, rel=1e-6) and cost.per_unit == pytest.approx(0.0001, rel=1e-6)
+    for units in [1, 8, 32, 64, 16, 4] * 30:  # the machine got twice as slow
+        cost.observe(units, 2 * (0.002 + 0.0001 * units))
+    assert cost.predict(10) == pytest.approx(2 * 0.003, rel=0.05)
+
+
+def test_calibration_starts_at_the_drafters_word_and_learns_the_real_rate():
+    cal = AcceptanceCalibration()
+    assert cal.calibrate("greedy", np.array([0.325]))[0] == pytest.approx(0.325)
+    probs = np.full(1000, 0.31)
+    cal.observe("greedy", probs, np.arange(1000) % 10 < 6)  # accepted 60% of the time: under-confident
+    assert cal.calibrate("greedy", np.array([0.31]))[0] == pytest.approx(0.6, abs=0.01)
+    assert cal.calibrate("sampled", np.array([0.31]))[0] == pytest.approx(0.325)  # kinds are separate
+
+
+def test_greedy_auto_equals_plain_decoding(pair):
+    target, drafter = pair
+    engine = Engine(target, drafter, budget="auto")
+    sizes = set()
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, SamplingParams(max_new_tokens=40))
+        assert result.token_ids == hf_greedy(target, prompt, 40)
+        sizes |= set(result.stats.drafted_nodes)
+    assert result.stats.budget == "auto" and len(result.stats.drafted_nodes) == result.stats.rounds
+
+
+def test_a_stretch_of_plain_rounds_leaves_the_drafter_as_if_it_had_drafted_throughout(pair):
+    """The drafter catches up on the skipped rounds' features in one pass: its context cache equals that of
+    a request that drafted every round, and it drafts the same proposals afterwards."""
+    target, drafter = pair
+    prompt, params = PROMPTS[2], SamplingParams(max_new_tokens=60)
+    skipping = Engine(target, drafter, budget="auto")
+    drafting = Engine(target, drafter, budget=8)
+    skipping.add_request(prompt, params)
+    drafting.add_request(prompt, params)
+    skipping.step()  # prefill
+    drafting.step()
+    skipping.auto_skip = 6  # six plain rounds, then one catch-up pass
+    for _ in range(7):
+        skipping.step()
+    request = skipping.running[0]
+    assert request.stats.drafted_nodes[:6] == [0] * 6 and request.stats.drafted_nodes[6] > 0
+    while drafting.running[0].draft_len < request.draft_len:
+        drafting.step()
+    n = request.draft_len
+    mine = skipping.draft_cache.keys + skipping.draft_cache.values
+    theirs = drafting.draft_cache.keys + drafting.draft_cache.values
+    for a, b in zip(mine, theirs, strict=True):  # every layer's keys and values, [rows, kvh, cols, d]
+        torch.testing.assert_close(a[0, :, :n], b[0, :, :n], atol=1e-5, rtol=0)

@@ -769,7 +769,7 @@ class Engine:
             rows[i].auto_width = k
         return out
 
-    AUTO_MAX_BACKOFF = 64  # the longest stretch of plain rounds before "auto" rows draft again
+    AUTO_MAX_BACKOFF = 128  # the longest stretch of plain rounds before "auto" rows draft again
 
     def _expected_accepts(self, r: Request, probs: np.ndarray) -> np.ndarray:
         return self.calibration.calibrate("greedy" if r.params.greedy else "sampled", probs)
@@ -787,18 +787,18 @@ class Engine:
             self.calibration.observe(kind, tree.logw[1:].exp().numpy(), accepted)
 
     def _measure_costs(self) -> None:
-        """Seed the cost model with a few timed forwards (writes go to the scratch column only)."""
+        """Seed the cost model with a few timed forwards in a free cache row (none free: online fit only)."""
         self._costs_measured = True
-        device, scratch = self.device, self.cache.scratch
-        span = scratch + 1
+        row = len(self._running)
+        if row >= self.max_batch_size:
+            return
         for tokens in (1, 8, 32, 8, 1, 32):
-            ids = torch.zeros(1, tokens, dtype=torch.int64, device=device)
-            cols = torch.full((1, tokens), scratch, device=device)
-            mask = torch.zeros(1, 1, tokens, span, dtype=torch.bool, device=device)
-            mask[..., scratch] = True
+            ids = torch.zeros(1, tokens, dtype=torch.int64, device=self.device)
+            cols = torch.arange(tokens, device=self.device)[None]
+            mask = torch.ones(1, 1, tokens, tokens, dtype=torch.bool, device=self.device)
             t = self._now()
             with torch.inference_mode():
-                self.forward(ids, cols * 0, self.cache.at(slice(0, 1), cols, span), mask)
+                self.forward(ids, cols, self.cache.at(slice(row, row + 1), cols, tokens), mask)
             self.cost.verify.observe(tokens, self._now() - t)
 
     def _verify_inputs(self, rows: list[Request], trees: list[DraftTree]) -> VerifyBatch:

@@ -49,11 +49,12 @@ class LinearCost:
 @dataclass
 class CostModel:
     """Seconds of one round: the target forward over ``tokens`` (all rows, padded), the drafter pass over
-    ``draft_rows`` rows (0 = no pass), and the rest of the round."""
+    ``draft_rows`` rows (0 = no pass), and the rest of the round (tree building, masks, the walk, the
+    commit: host work that grows with the tokens verified too)."""
 
     verify: LinearCost = field(default_factory=LinearCost)
     draft: LinearCost = field(default_factory=LinearCost)
-    overhead: float = 0.0
+    overhead: LinearCost = field(default_factory=LinearCost)
     frozen: bool = False  # a given cost function (tests, or a user who measured it): no timing, no updates
 
     def observe(self, verify_tokens: int, verify_seconds: float, draft_rows: int, draft_seconds: float,
@@ -64,12 +65,11 @@ class CostModel:
         self.verify.observe(verify_tokens, verify_seconds)
         if draft_rows:
             self.draft.observe(draft_rows, draft_seconds)
-        rest = max(round_seconds - verify_seconds - draft_seconds, 0.0)
-        self.overhead = 0.9 * self.overhead + 0.1 * rest
+        self.overhead.observe(verify_tokens, max(round_seconds - verify_seconds - draft_seconds, 0.0))
 
     def round_seconds(self, tokens: int, draft_rows: int) -> float:
         draft = self.draft.predict(draft_rows) if draft_rows else 0.0
-        return self.overhead + self.verify.predict(tokens) + draft
+        return self.overhead.predict(tokens) + self.verify.predict(tokens) + draft
 
 
 class AcceptanceCalibration:

@@ -707,8 +707,9 @@ class Engine:
         return self.max_model_len - r.start
 
     def _budget(self, r: Request) -> int:
-        """Nodes of the tree built this round; for "auto", candidates: twice what was chosen last time."""
-        return min(self.auto_max_budget, max(8, 2 * r.auto_width)) if r.auto else r.budget
+        """Nodes of the tree built this round; for "auto", candidates: a few more than chosen last time
+        (building candidates costs host time whether or not they are verified)."""
+        return min(self.auto_max_budget, r.auto_width + 4) if r.auto else r.budget
 
     def _draft_depth(self, r: Request) -> int:
         # A tree of `budget` nodes is at most `budget` deep: deeper rows would never be read.

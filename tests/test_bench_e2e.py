@@ -104,7 +104,7 @@ def test_a_t0_mismatch_fails_the_run_loudly(setup, tmp_path, capsys, monkeypatch
         (["--methods", "ar,beam"], "unknown method(s) beam"),
         (["--methods", "dflash,ddtree"], "must include 'ar'"),
         (["--budgets", "4,x"], "--budgets must be a comma-separated list"),
-        (["--budgets", "0"], "budget must be an integer >= 1, got 0"),
+        (["--budgets", "0"], "budget must be an integer >= 1 or 'auto', got 0"),
         (["--temperatures", "-1"], "--temperatures must be numbers >= 0"),
         (["--repeats", "0"], "--repeats must be >= 1"),
         (["--tree-vocab", "-1"], "--tree-vocab must be >= 0"),

@@ -21,9 +21,9 @@ def test_speculative_options_pass_through_when_valid() -> None:
     "method, budget, topk, message",
     [
         ("tree", 16, None, "unknown method 'tree'; choose one of ddtree, dflash, ar"),
-        ("ddtree", 0, None, "budget must be an integer >= 1, got 0"),
-        ("ddtree", True, None, "budget must be an integer >= 1, got True"),
-        ("ddtree", 2.0, None, "budget must be an integer >= 1, got 2.0"),
+        ("ddtree", 0, None, "budget must be an integer >= 1 or 'auto', got 0"),
+        ("ddtree", True, None, "budget must be an integer >= 1 or 'auto', got True"),
+        ("ddtree", 2.0, None, "budget must be an integer >= 1 or 'auto', got 2.0"),
         ("ddtree", 16, 0, "topk must be an integer >= 1, got 0"),
         ("ddtree", 16, False, "topk must be an integer >= 1, got False"),
     ],

@@ -231,7 +231,7 @@ class Engine:
         accept_threshold_single: float = 1.0,
         accept_threshold_acc: float = 1.0,
         auto_max_budget: int = 64,
-        sampling_aware_trees: bool = True,
+        sampling_aware_trees: bool = False,
         cost_model: CostModel | None = None,
     ) -> None:
         self.target = target.eval()

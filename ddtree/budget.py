@@ -69,7 +69,8 @@ class CostModel:
 
     def round_seconds(self, tokens: int, draft_rows: int) -> float:
         draft = self.draft.predict(draft_rows) if draft_rows else 0.0
-        return self.overhead.predict(tokens) + self.verify.predict(tokens) + draft
+        # Never zero: before its first measurement the model knows nothing, and rates must stay finite.
+        return np.maximum(self.overhead.predict(tokens) + self.verify.predict(tokens) + draft, 1e-9)
 
 
 class AcceptanceCalibration:

@@ -134,3 +134,12 @@ def test_a_stretch_of_plain_rounds_leaves_the_drafter_as_if_it_had_drafted_throu
     theirs = drafting.draft_cache.keys + drafting.draft_cache.values
     for a, b in zip(mine, theirs, strict=True):  # every layer's keys and values, [rows, kvh, cols, d]
         torch.testing.assert_close(a[0, :, :n], b[0, :, :n], atol=1e-5, rtol=0)
+
+
+def test_auto_works_before_any_cost_is_measured(pair):
+    """max_batch_size=1 leaves no free row to time forwards in: the model starts empty and learns online."""
+    target, drafter = pair
+    engine = Engine(target, drafter, budget="auto", max_batch_size=1)
+    result = engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=20))
+    assert result.token_ids == hf_greedy(target, PROMPTS[0], 20)
+    assert engine.cost.verify.fixed > 0

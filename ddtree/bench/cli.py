@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 from ddtree.argparsing import Parser, add_draft_topk
@@ -126,7 +127,7 @@ def run_bench_command(args: argparse.Namespace) -> None:
     from ddtree.bench.metrics import DEFINITIONS, summarize
     from ddtree.bench.plots import plot_acceptance_histogram, plot_tau_speedup
     from ddtree.bench.prompts import load_prompts
-    from ddtree.bench.report import markdown, write_json
+    from ddtree.bench.report import markdown, write_outputs
     from ddtree.bench.runner import BenchConfig, encode_prompts, run_bench
     from ddtree.bench.tree_speed import measure_tree_build
 
@@ -198,13 +199,11 @@ def run_bench_command(args: argparse.Namespace) -> None:
         "tree_build": tree_build,
         "records": records,
     }
-    write_json(args.out / "results.json", results)
-    text = markdown(results)
-    (args.out / "results.md").write_text(text)
-    plot_tau_speedup(results["summary"], args.out / "tau_speedup.png")
-    plot_acceptance_histogram(results["summary"], args.out / "acceptance_histogram.png")
-    sys.stdout.write(text)
-    print(f"\nwrote results.json, results.md, tau_speedup.png, acceptance_histogram.png to {args.out}")
+    plots = {
+        "tau_speedup.png": partial(plot_tau_speedup, results["summary"]),
+        "acceptance_histogram.png": partial(plot_acceptance_histogram, results["summary"]),
+    }
+    write_outputs(args.out, results, markdown(results), plots)
     announce(check)
     if not check["passed"]:
         sys.exit(MISMATCH_EXIT_CODE)
@@ -215,7 +214,7 @@ def run_concurrency_command(args: argparse.Namespace, cfg, engine, prompt_ids: l
     from ddtree.bench.check import MISMATCH_EXIT_CODE
     from ddtree.bench.concurrency import goals, greedy_check, markdown, plot_throughput, run_concurrency
     from ddtree.bench.machine import machine_info
-    from ddtree.bench.report import write_json
+    from ddtree.bench.report import write_outputs
 
     started = time.perf_counter()
     records = run_concurrency(engine, prompt_ids, cfg, tuple(args.concurrency), progress=not args.no_progress)
@@ -239,12 +238,8 @@ def run_concurrency_command(args: argparse.Namespace, cfg, engine, prompt_ids: l
         "goals": goals(records),
         "records": records,
     }
-    write_json(args.out / "results.json", results)
-    text = markdown(results)
-    (args.out / "results.md").write_text(text)
-    plot_throughput(records, args.out / "throughput_concurrency.png")
-    sys.stdout.write(text)
-    print(f"\nwrote results.json, results.md, throughput_concurrency.png to {args.out}")
+    plots = {"throughput_concurrency.png": partial(plot_throughput, records)}
+    write_outputs(args.out, results, markdown(results), plots)
     if not check["passed"]:
         print(
             f"ddtree: error: {len(check['mismatches'])} greedy responses differ from plain decoding",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from ddtree.bench.metrics import DEFINITIONS
@@ -18,6 +20,17 @@ def best_ddtree(rows: list[dict], temperature: float) -> dict | None:
 
 def write_json(path: Path, results: dict) -> None:
     path.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def write_outputs(out: Path, results: dict, text: str, plots: dict[str, Callable[[Path], None]]) -> None:
+    """``results.json``, ``results.md`` (``text``) and each plot (file name -> drawer) into ``out``; prints
+    the Markdown and where everything went."""
+    write_json(out / "results.json", results)
+    (out / "results.md").write_text(text)
+    for name, draw in plots.items():
+        draw(out / name)
+    sys.stdout.write(text)
+    print(f"\nwrote {', '.join(['results.json', 'results.md', *plots])} to {out}")
 
 
 def _f(value: float | None, fmt: str) -> str:

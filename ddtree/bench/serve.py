@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -288,7 +289,7 @@ def run_serve_bench_command(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from ddtree.bench.prompts import load_prompts
-    from ddtree.bench.report import write_json
+    from ddtree.bench.report import write_outputs
     from ddtree.bench.serve_report import level_summary, markdown, plot_serve
 
     check_args(args)
@@ -334,9 +335,4 @@ def run_serve_bench_command(args: argparse.Namespace) -> None:
         "server_exit_code": exit_code,
         "levels": results,
     }
-    write_json(args.out / "results.json", report)
-    text = markdown(report)
-    (args.out / "results.md").write_text(text)
-    plot_serve(report, args.out / "serve.png")
-    sys.stdout.write(text)
-    print(f"\nwrote results.json, results.md, serve.png to {args.out}")
+    write_outputs(args.out, report, markdown(report), {"serve.png": partial(plot_serve, report)})

@@ -1,10 +1,10 @@
 """The engine: a continuously batched loop of rounds, draft -> tree -> verify -> accept -> commit.
 
-Every running request is a row. One step runs ONE round for every running row (one drafter forward over
-the rows that draft, one target forward over all rows' trees), then admits waiting requests with one batched
-prefill. Each row keeps its own method, budget, sampling parameters, random generator and KV length, so a
-request's output is the same alone or in any batch. Three methods share the round and differ only in the tree
-they verify:
+Every running request is a row. A step either admits waiting requests with one batched prefill (when a
+row is free) or runs ONE round for every running row (one drafter forward over the rows that draft, one
+target forward over all rows' trees). Each row keeps its own method, budget, sampling parameters, random
+generator and KV length, so a request's output is the same alone or in any batch. Three methods share the
+round and differ only in the tree they verify:
   ``ddtree`` the best-first tree of the ``budget`` most probable draft prefixes,
   ``dflash`` the drafter's argmax chain (linear speculative decoding),
   ``ar``     the root alone (plain autoregressive decoding; no drafter pass).
@@ -414,7 +414,8 @@ class Engine:
         return False
 
     def step(self) -> list[StreamDelta]:
-        """One round for every running request, then admit waiting ones (one batched prefill).
+        """Admit waiting requests with one batched prefill when a row is free; otherwise run one round for
+        every running request.
 
         Returns one delta per request that changed (requests followed by ``stream`` / ``generate`` get
         theirs there instead); the last delta of a request carries its finish_reason.
@@ -516,8 +517,12 @@ class Engine:
 
     def _advance(self) -> None:
         with torch.inference_mode():
-            deltas = self._round() if self._running else []
-            deltas += self._admit()
+            # Prefill first (vLLM's default schedule): a new request waits for at most the current step and
+            # its own prefill, and running requests for at most one prefill between two rounds.
+            if self._waiting and len(self._running) < self.max_batch_size:
+                deltas = self._admit()
+            else:
+                deltas = self._round() if self._running else []
         for delta in deltas:
             queue = self._followed.get(delta.request_id)
             (self._unclaimed if queue is None else queue).append(delta)

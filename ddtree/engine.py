@@ -740,7 +740,8 @@ class Engine:
 
     def _choose_auto(self, rows: list[Request], trees: list[DraftTree], draft_rows: int) -> list[DraftTree]:
         """Cut every "auto" row's candidate tree to the prefix of its pop order that maximises the batch's
-        expected tokens per second (ddtree.budget), and decide which rows skip the drafter next."""
+        expected tokens per second (ddtree.budget), and start a stretch of plain rounds for the auto rows
+        when even the best pick loses to a round without the drafter."""
         if not (self._costs_measured or self.cost.frozen):
             self._measure_costs()
         auto = [i for i, r in enumerate(rows) if r.auto and trees[i].num_nodes > 1]

@@ -94,6 +94,7 @@ BAD_REQUESTS = [
     (C, COMPLETION | {"stream_options": {"include_usage": True}}, "stream_options", None),
     (C, COMPLETION | {"speculative": {"method": "beam"}}, "speculative.method", None),
     (C, COMPLETION | {"speculative": {"budget": 0}}, "speculative.budget", None),
+    (C, COMPLETION | {"speculative": {"budget": "big"}}, "speculative.budget", None),
     (C, COMPLETION | {"seed": 1 << 70}, "seed", None),
     (CH, CHAT | {"messages": []}, "messages", None),
     (CH, CHAT | {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", None),
@@ -160,6 +161,19 @@ def test_completion_stream_chunks_usage_and_stats(http, engine):
         len(finishing) == 1
         and finishing[0]["ddtree"]["acceptance_lengths"] == expected.stats.acceptance_lengths
     )
+
+
+def test_speculative_budget_auto_is_chosen_per_round_and_reported(http):
+    body = COMPLETION | {
+        "max_tokens": 12,
+        "temperature": 0,
+        "speculative": {"method": "ddtree", "budget": "auto"},
+    }
+    r = http.post(C, json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["ddtree"]["budget"] == "auto"
+    plain = http.post(C, json=COMPLETION | {"max_tokens": 12, "temperature": 0, "speculative": False}).json()
+    assert r.json()["choices"][0]["text"] == plain["choices"][0]["text"]  # greedy: lossless either way
 
 
 def test_lossless_responses_name_no_thresholds_and_lossy_ones_name_both(http, model_dirs):

@@ -37,6 +37,7 @@ from ddtree.commit import OutputState, TokenLogprobs, pack_accepted, token_logpr
 from ddtree.drafter import DFlashDrafter
 from ddtree.errors import DDTreeError
 from ddtree.forward import TargetForward
+from ddtree.kv_cache import KVCache
 from ddtree.models import (
     DEFAULT_DRAFTER,
     DEFAULT_TARGET,
@@ -53,7 +54,7 @@ from ddtree.params import (
     check_speculative_options,
     lossy_threshold_fields,
 )
-from ddtree.sampling import SamplingTensors, filtered_probs, sample_trees
+from ddtree.sampling import SamplingTensors, filtered_probs, sample_rows, sample_trees
 from ddtree.stats import mean_acceptance_length
 from ddtree.tree import DraftTree, build_ddtree_tree, compile_ddtree_retrieve
 from ddtree.verify import first_child_chain, follow_verified_tree, tree_verify_inputs
@@ -262,8 +263,8 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.auto_max_budget = auto_max_budget
-        # Sampled rows build their tree from the drafter's distribution under the request's own sampling
-        # transform, so the tree holds what the target will sample (verification is unchanged).
+        # When on, sampled rows build their tree from the drafter's distribution under the request's own
+        # sampling transform (verification is unchanged). Off by default: measured, it did not pay.
         self.sampling_aware_trees = sampling_aware_trees
         self.cost = cost_model or CostModel()  # measured at the first auto round, then kept current
         self.calibration = AcceptanceCalibration()
@@ -291,7 +292,7 @@ class Engine:
         self.draft_cache = None
         if self.drafter is not None:
             attn = self.drafter.layers[0].self_attn
-            self.draft_cache = type(self.cache)(
+            self.draft_cache = KVCache(
                 len(self.drafter.layers),
                 max_batch_size,
                 attn.num_kv_heads,
@@ -306,11 +307,6 @@ class Engine:
         self._ids = itertools.count()
         self._followed: dict[str, deque[StreamDelta]] = {}  # request id -> deltas its stream has not read
         self._unclaimed: list[StreamDelta] = []  # deltas the next `step` returns
-
-    @property
-    def max_positions(self) -> int:
-        """The most tokens (prompt + new) one request may hold."""
-        return self.max_model_len
 
     @classmethod
     def from_pretrained(
@@ -588,12 +584,10 @@ class Engine:
         if sampled:
             probs = filtered_probs(
                 logits[sampled][:, None], SamplingTensors.from_params([batch[i].params for i in sampled])
-            )  # [S, 1, V]
+            )[:, 0]  # [S, V]
             coins = torch.stack([torch.rand((), generator=batch[i].generator) for i in sampled])  # [S]
-            trees = [DraftTree.root_only(0)] * len(sampled)
-            drawn = sample_trees(trees, [None] * len(sampled), probs, [c[None] for c in coins], coins)
-            for i, (_, tokens) in zip(sampled, drawn, strict=True):
-                roots[i] = tokens[0]
+            for i, token in zip(sampled, sample_rows(probs, coins), strict=True):
+                roots[i] = token
         return roots
 
     def _release(self, r: Request) -> None:

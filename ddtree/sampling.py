@@ -104,13 +104,18 @@ def _inverse_cdf(weights: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
     return torch.where(hit.any(dim=-1), first, torch.where(positive.any(dim=-1), last, -1))
 
 
-def sample_from_probs(probs: torch.Tensor, coin: float | torch.Tensor) -> int:
-    """Plain autoregressive sampling of probs [V] by inverse CDF, with the bonus draw's exact rule."""
-    coin_t = torch.as_tensor(coin, dtype=torch.float32, device=probs.device).reshape(1)
-    token = int(_inverse_cdf(probs.float().reshape(1, -1), coin_t)[0])
-    if token < 0:
+def sample_rows(probs: torch.Tensor, coins: torch.Tensor) -> list[int]:
+    """Plain autoregressive sampling of each row of probs [B, V] with its coin [B] by inverse CDF, with the
+    bonus draw's exact rule."""
+    tokens = _inverse_cdf(probs.float(), coins.float().to(probs.device)).tolist()  # [B]
+    if min(tokens) < 0:
         raise ValueError("probs has no positive mass")
-    return token
+    return tokens
+
+
+def sample_from_probs(probs: torch.Tensor, coin: float | torch.Tensor) -> int:
+    """``sample_rows`` for one distribution probs [V] and one coin."""
+    return sample_rows(probs.reshape(1, -1), torch.as_tensor(coin, dtype=torch.float32).reshape(1))[0]
 
 
 def tree_speculative_sampling_target_only(
@@ -257,10 +262,7 @@ def sample_trees(
     bs, n, _ = target_probs.shape
     final_coins = final_coins.float().to(device)
     if all(tree.num_nodes == 1 for tree in trees):  # plain decoding: the kernel would only draw bonus tokens
-        bonus = _inverse_cdf(target_probs[:, 0].float(), final_coins).tolist()  # [B]
-        if min(bonus) < 0:
-            raise ValueError("probs has no positive mass")
-        return [([0], [token]) for token in bonus]
+        return [([0], [token]) for token in sample_rows(target_probs[:, 0], final_coins)]
     steps = max(int(tree.depths.max()) for tree in trees) + 1
     candidates = torch.zeros(bs, n, dtype=torch.int64)
     next_token = torch.full((bs, n), -1, dtype=torch.int64)  # padding nodes are nobody's children

@@ -212,8 +212,9 @@ def run_bench_command(args: argparse.Namespace) -> None:
 def run_concurrency_command(args: argparse.Namespace, cfg, engine, prompt_ids: list[list[int]]) -> None:
     """``--concurrency``: the throughput sweep; writes results.json, results.md and a plot."""
     from ddtree.bench.check import MISMATCH_EXIT_CODE
-    from ddtree.bench.concurrency import goals, greedy_check, markdown, plot_throughput, run_concurrency
+    from ddtree.bench.concurrency import goals, greedy_check, markdown, run_concurrency
     from ddtree.bench.machine import machine_info
+    from ddtree.bench.plots import plot_throughput
     from ddtree.bench.report import write_outputs
 
     started = time.perf_counter()

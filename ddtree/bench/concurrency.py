@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from pathlib import Path
+from dataclasses import replace
 
 from tqdm import tqdm
 
@@ -91,7 +91,7 @@ def run_concurrency(
     bar = tqdm(
         total=len(cfg.temperatures) * len(levels) * len(specs), desc="bench", unit="run", disable=not progress
     )
-    warm = BenchConfig(**{**cfg.__dict__, "max_new_tokens": min(cfg.max_new_tokens, 8)})
+    warm = replace(cfg, max_new_tokens=min(cfg.max_new_tokens, 8))
     for spec in specs:
         run_level(engine, spec, prompt_ids[:1], warm, cfg.temperatures[0], 1)
     records = []
@@ -234,28 +234,3 @@ def markdown(results: dict) -> str:
         met = "" if g["met"] is None else ("yes" if g["met"] else "no")
         lines.append(f"| {g['temperature']:g} | {g['what']} | {g['ratio']:.2f}x | {target} | {met} |")
     return "\n".join(lines) + "\n"
-
-
-def plot_throughput(records: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    temperatures = sorted({r["temperature"] for r in records})
-    fig, axes = plt.subplots(1, len(temperatures), figsize=(5.5 * len(temperatures), 4), squeeze=False)
-    for ax, temperature in zip(axes[0], temperatures, strict=True):
-        rows = [r for r in records if r["temperature"] == temperature]
-        for label in dict.fromkeys(r["label"] for r in rows):
-            mine = sorted((r["concurrency"], r["tokens_per_second"]) for r in rows if r["label"] == label)
-            style = "k--o" if label == "ar" else "-o"
-            ax.plot([c for c, _ in mine], [t for _, t in mine], style, label=label, markersize=4)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("requests in flight (concurrency)")
-        ax.set_ylabel("output tokens/s (all requests)")
-        ax.set_title(f"T = {temperature:g}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -1,4 +1,4 @@
-"""PNG plots of a summary: tau and speedup vs budget, and the acceptance-length histogram.
+"""PNG plots: tau and speedup vs budget, the acceptance-length histogram, throughput vs concurrency.
 
 Matplotlib's Agg backend draws to files without a display, which is what a benchmark box has.
 """
@@ -82,6 +82,27 @@ def plot_acceptance_histogram(rows: list[dict], path: Path) -> None:
         ax.grid(alpha=0.3, axis="y")
         if shown:
             ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_throughput(records: list[dict], path: Path) -> None:
+    """Output tokens/s of every configuration against the requests in flight; a panel per temperature."""
+    temperatures = sorted({r["temperature"] for r in records})
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(5.5 * len(temperatures), 4), squeeze=False)
+    for ax, temperature in zip(axes[0], temperatures, strict=True):
+        rows = [r for r in records if r["temperature"] == temperature]
+        for label in dict.fromkeys(r["label"] for r in rows):
+            mine = sorted((r["concurrency"], r["tokens_per_second"]) for r in rows if r["label"] == label)
+            style = "k--o" if label == "ar" else "-o"
+            ax.plot([c for c, _ in mine], [t for _, t in mine], style, label=label, markersize=4)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("requests in flight (concurrency)")
+        ax.set_ylabel("output tokens/s (all requests)")
+        ax.set_title(f"T = {temperature:g}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

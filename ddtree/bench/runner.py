@@ -94,10 +94,10 @@ def encode_prompts(engine, prompts: list[Prompt], max_new_tokens: int) -> list[l
     out = []
     for p in prompts:
         ids = engine.encode(p.text if p.text is not None else list(p.token_ids))
-        if len(ids) + max_new_tokens > engine.max_positions:
+        if len(ids) + max_new_tokens > engine.max_model_len:
             raise DDTreeError(
                 f"prompt {p.id} ({len(ids)} tokens) plus --max-new-tokens {max_new_tokens} exceeds the "
-                f"target's context of {engine.max_positions} tokens"
+                f"target's context of {engine.max_model_len} tokens"
             )
         out.append(ids)
     return out

@@ -99,7 +99,7 @@ class ServerState:
 
 def load_model(engine_factory: Callable[[], object]) -> ServedModel:
     engine = engine_factory()
-    return ServedModel(engine, TokenNames(engine.tokenizer), int(engine.max_positions))
+    return ServedModel(engine, TokenNames(engine.tokenizer), engine.max_model_len)
 
 
 def warm_up(model: ServedModel) -> None:

@@ -44,7 +44,7 @@ N_SLOW = 20_000
 P_PASS = 1e-3
 P_BROKEN = 1e-6
 BIASED_ACCEPTANCE = 1 / 1.3  # threshold_acc: accept when coin < 1.3 * running sum
-BATCH = 16  # requests in flight while drawing
+BATCH = 32  # requests in flight while drawing
 
 SETTINGS = {
     "T=1": SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS),
@@ -280,7 +280,7 @@ def test_ddtree_samples_follow_target_distribution(real_models):
 def test_auto_budget_samples_follow_target_distribution(real_models):
     """budget "auto" with a given cost (a fixed verify cost per node, a drafter pass worth 40% of a round):
     the chosen tree sizes vary from round to round, 0 included, and the samples keep the target's law."""
-    cost = CostModel(verify=LinearCost(1.0, 0.02), draft=LinearCost(0.4, 0.0), frozen=True)
+    cost = CostModel(verify=LinearCost(1.0, 0.005), draft=LinearCost(0.4, 0.0), frozen=True)
     draws, chi2_p, g_p = sample_and_fit(
         real_models, "ddtree", "T=1", N_FAST, seed=0, budget="auto", cost_model=cost
     )

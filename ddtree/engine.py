@@ -33,6 +33,16 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.budget import AcceptanceCalibration, CostModel, choose_counts
+from ddtree.capture import (
+    StaticInputs,
+    batch_ladder,
+    check_buckets,
+    compile_forward,
+    mark_static,
+    node_ladder,
+    pick,
+    tree_mask,
+)
 from ddtree.commit import OutputState, TokenLogprobs, pack_accepted, token_logprobs
 from ddtree.drafter import DFlashDrafter
 from ddtree.errors import DDTreeError
@@ -59,7 +69,7 @@ from ddtree.stats import mean_acceptance_length
 from ddtree.tree import DraftTree, build_ddtree_tree, compile_ddtree_retrieve
 from ddtree.verify import first_child_chain, follow_verified_tree, tree_verify_inputs
 
-STAGES = ("draft", "tree", "compile", "verify", "accept", "commit")
+STAGES = ("draft", "tree", "inputs", "verify", "accept", "commit")
 
 
 def check_engine_options(
@@ -94,7 +104,8 @@ class GenerationStats:
     """What a response cost. ``acceptance_lengths`` has one entry per round: accepted drafts + 1.
 
     Stage, prefill and decode seconds are the wall time of the batched forwards and rounds the request
-    took part in (shared with its batch companions).
+    took part in (shared with its batch companions). Stage seconds are measured only when the engine
+    profiles (``Engine(profile=True)``): timing a stage on an accelerator means waiting for it.
     """
 
     method: str
@@ -200,18 +211,23 @@ class Request:
 
 @dataclass
 class VerifyBatch:
-    """Inputs of the round's ONE target forward: every row's tree, padded to the widest (N nodes).
+    """Inputs of the round's ONE target forward: every row's tree, padded to the widest (N nodes), or with
+    fixed shapes to a batch bucket and a node bucket.
 
     Row b's node j sits at position start_b + depth_j, writes its keys/values at column start_b + j and sees
-    the row's committed columns [0, start_b) plus its own ancestors; padding nodes write to the scratch
-    column and are never read.
+    the row's committed columns [0, start_b) plus its own ancestors (``capture.tree_mask``). Padding nodes
+    and rows write to the scratch column, see only committed columns (a dummy row: column 0) and are never
+    read or committed.
     """
 
     ids: torch.Tensor  # [B, N] int64
     positions: torch.Tensor  # [B, N] int64
     cols: torch.Tensor  # [B, N] int64
-    mask: torch.Tensor  # [B, 1, N, span] bool, True = attend
-    span: int  # columns attention reads: max_b (start_b + N_b)
+    starts: torch.Tensor  # [B] int64, committed columns per row
+    anc: torch.Tensor  # [B, N, N] bool, the tree block of the mask
+    span: int  # columns attention reads: max_b (start_b + N_b), or the whole row with fixed shapes
+    rows: int  # real rows (the first ``rows`` of the batch)
+    nodes: int  # real nodes of the widest tree
 
 
 class Engine:
@@ -234,6 +250,11 @@ class Engine:
         auto_max_budget: int = 64,
         sampling_aware_trees: bool = False,
         cost_model: CostModel | None = None,
+        compile: bool = False,
+        fixed_shapes: bool | None = None,
+        batch_buckets: list[int] | None = None,
+        node_buckets: list[int] | None = None,
+        profile: bool = False,
     ) -> None:
         self.target = target.eval()
         self.tokenizer = tokenizer
@@ -301,6 +322,8 @@ class Engine:
                 next(attn.parameters()).dtype,
                 self.device,
             )
+        self.profile = profile  # time every stage (waits for the device at each stage boundary)
+        self._setup_shapes(compile, fixed_shapes, batch_buckets, node_buckets)
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # index = target cache row
         self._drafting: list[Request] = []  # index = drafter cache row
@@ -329,6 +352,115 @@ class Engine:
             load_drafter(drafter_dir).to(device=device, dtype=dtype) if drafter_dir is not None else None
         )
         return cls(target, drafter, tokenizer, method=method, budget=budget, topk=topk, **engine_options)
+
+    # -- fixed shapes and compilation (ddtree.capture) ---------------------------------------------------
+
+    def _setup_shapes(
+        self,
+        compile: bool,
+        fixed_shapes: bool | None,
+        batch_buckets: list[int] | None,
+        node_buckets: list[int] | None,
+    ) -> None:
+        """Choose the shapes every round is padded to and, with ``compile``, compile and capture them all."""
+        self.fixed_shapes = compile if fixed_shapes is None else bool(fixed_shapes)
+        if compile and not self.fixed_shapes:
+            raise DDTreeError("compile=True needs fixed shapes (fixed_shapes=False was given)")
+        self.compiled = bool(compile)
+        self.warmup_seconds = 0.0
+        self.max_drafted = self.max_model_len  # drafted nodes a tree may hold (with fixed shapes: a bucket)
+        self._inputs = StaticInputs(self.device, static=compile and self.device.type == "cuda")
+        self._verify_forward = self._verify_forward_eager
+        self._draft_forward = self._draft_forward_eager
+        if not self.fixed_shapes:
+            if batch_buckets is not None or node_buckets is not None:
+                raise DDTreeError("batch_buckets and node_buckets need fixed shapes (compile=True)")
+            return
+        deepest = self.budget if self.budget != AUTO else self.auto_max_budget
+        if self.drafter is not None:
+            deepest = max(deepest, self.drafter.block_size - 1)  # the dflash chain
+        buckets = check_buckets("batch_buckets", batch_buckets, self.max_batch_size)
+        self.batch_buckets = buckets or batch_ladder(self.max_batch_size)
+        if self.batch_buckets[-1] != self.max_batch_size:
+            raise DDTreeError(
+                f"the largest batch bucket must be max_batch_size ({self.max_batch_size}), "
+                f"got {self.batch_buckets[-1]}"
+            )
+        self.node_buckets = check_buckets("node_buckets", node_buckets) or node_ladder(deepest)
+        self.max_drafted = self.node_buckets[-1] - 1
+        if self.budget != AUTO and self.method == "ddtree":
+            self._check_captured_budget(self.budget)
+        if compile:
+            shapes = len(self.batch_buckets) * len(self.node_buckets)
+            caches = [self.cache] + ([self.draft_cache] if self.draft_cache is not None else [])
+            if self.device.type == "cuda":
+                mark_static([buf for c in caches for buf in (*c.keys, *c.values)])
+            self._verify_forward = compile_forward(self._verify_forward_eager, self.device, shapes)
+            self._draft_forward = compile_forward(self._draft_forward_eager, self.device, shapes)
+            self.warm_up()
+
+    def _check_captured_budget(self, budget: int | str) -> None:
+        if self.fixed_shapes and budget != AUTO and budget > self.max_drafted:
+            raise DDTreeError(
+                f"budget {budget} exceeds the largest node bucket ({self.max_drafted} drafted nodes); "
+                "start the engine with node_buckets that hold it"
+            )
+
+    def warm_up(self) -> float:
+        """Run (and so compile and, on CUDA, capture) every fixed shape once with dummy rows, which write
+        only the scratch column; returns the seconds it took (also in ``warmup_seconds``)."""
+        t = time.perf_counter()
+        replays = 3 if self.device.type == "cuda" else 1  # CUDA graph trees record on the second call
+        with torch.inference_mode():
+            for b in self.batch_buckets:
+                for n in self.node_buckets:
+                    batch = self._verify_inputs([], [], shape=(b, n))
+                    for _ in range(replays):
+                        self._verify_forward(
+                            batch.ids, batch.positions, batch.cols, batch.starts, batch.anc, batch.span
+                        )
+                if self.drafter is not None:
+                    for _ in range(replays):
+                        self._draft_pass([None] * b, b, self.drafter.block_size, slice(0, b), fixed=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.warmup_seconds += time.perf_counter() - t
+        return self.warmup_seconds
+
+    def _verify_forward_eager(
+        self,
+        ids: torch.Tensor,  # [B, N]
+        positions: torch.Tensor,  # [B, N]
+        cols: torch.Tensor,  # [B, N]
+        starts: torch.Tensor,  # [B]
+        anc: torch.Tensor,  # [B, N, N]
+        span: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The round's target forward over cache rows [0, B): final hidden states [B, N, H] and drafter
+        features [B, N, F * H] (with fixed shapes whenever there is a drafter: one graph per shape)."""
+        drafting = self.drafter is not None and (self.fixed_shapes or bool(self._drafting))
+        write = self.cache.at(slice(0, ids.shape[0]), cols, span)
+        mask = tree_mask(starts, anc, span)  # [B, 1, N, span]
+        return self.forward(ids, positions, write, mask, self.drafter.target_layer_ids if drafting else None)
+
+    def _draft_forward_eager(
+        self,
+        block: torch.Tensor,  # [B, S] root, MASK ...
+        features: torch.Tensor,  # [B, C, F * H] context features not yet cached (right-padded)
+        ctx_positions: torch.Tensor,  # [B, C]
+        ctx_cols: torch.Tensor,  # [B, C]; padding: scratch
+        block_positions: torch.Tensor,  # [B, S]
+        block_cols: torch.Tensor,  # [B, S]; a drafting row's columns are its positions; idle: scratch
+        ends: torch.Tensor,  # [B] columns each row's block attends to: [0, end)
+        where: slice | torch.Tensor,
+        span: int,
+    ) -> torch.Tensor:
+        """One drafter pass: the block's final hidden states [B, S, H]."""
+        write = self.draft_cache.at(where, torch.cat((ctx_cols, block_cols), dim=1), span)
+        mask = (torch.arange(span, device=ends.device)[None] < ends[:, None])[
+            :, None, None
+        ]  # [B, 1, 1, span]
+        return self.drafter(self.embed(block), features, block_positions, ctx_positions, write, mask)
 
     # -- request-level API -------------------------------------------------------------------------------
 
@@ -367,6 +499,8 @@ class Engine:
             self.topk if topk is None else topk,
             self.drafter is not None,
         )
+        if method == "ddtree":
+            self._check_captured_budget(budget)
         prompt_ids = self.encode(prompt)
         if len(prompt_ids) + params.max_new_tokens > self.max_model_len:
             raise DDTreeError(
@@ -572,10 +706,20 @@ class Engine:
             )
             r.stats.prefill_seconds = seconds
             deltas.append(self._delta(r, 0))
+        self._ingest([r for r in batch if r.drafts])
         for r in batch:
             if r.output.finish_reason is not None:
                 self._release(r)
         return deltas
+
+    def _ingest(self, rows: list[Request]) -> None:
+        """Give the drafter the new rows' prompts now, in the prefill's step (whose shapes vary anyway), so a
+        round's drafter pass only ever sees what one round commits."""
+        if rows:
+            first = rows[0].draft_row  # admitted rows take the last drafter rows, in order
+            self._draft_pass(
+                rows, len(rows), max(r.start for r in rows), slice(first, first + len(rows)), fixed=False
+            )
 
     def _pick(self, logits: torch.Tensor, batch: list[Request]) -> list[int]:
         """The first token of each request, straight from the prefill logits [B, V]."""
@@ -609,20 +753,25 @@ class Engine:
     # -- the round ---------------------------------------------------------------------------------------
 
     def _round(self) -> list[StreamDelta]:
-        """Draft, build every row's tree, verify all trees in one target forward, accept, commit."""
-        t_round = self._now()
+        """Draft, build every row's tree, verify all trees in one target forward, accept, commit.
+
+        Stages are timed (waiting for the device at each boundary) only when profiling or when "auto" rows
+        need the cost model; otherwise the round's one wait is the transfer its accept step needs.
+        """
         rows = list(self._running)  # in cache-row order
+        timing = self.profile or any(r.auto for r in rows)
+        t_round = self._now(timing)
         seconds = dict.fromkeys(STAGES, 0.0)
         # "auto" rows skip the drafter during a stretch of plain rounds (drafting did not pay lately).
         drafting = [r for r in self._drafting if not (r.auto and self.auto_skip)]
         self.auto_skip = max(self.auto_skip - 1, 0)
-        with self._stage(seconds, "draft"):
+        with self._stage(seconds, "draft", timing):
             draft_logits = self._draft(drafting) if drafting else {}
-        with self._stage(seconds, "tree"):
+        with self._stage(seconds, "tree", timing):
             trees = [self._tree(r, draft_logits.get(r.request_id)) for r in rows]
             if any(r.auto and r.request_id in draft_logits for r in rows):
                 trees = self._choose_auto(rows, trees, len(drafting))
-        with self._stage(seconds, "compile"):
+        with self._stage(seconds, "inputs", timing):
             batch = self._verify_inputs(rows, trees)
             sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
             retrieves = {
@@ -631,10 +780,12 @@ class Engine:
                 else None
                 for i in sampled
             }
-        with self._stage(seconds, "verify"):
-            write = self.cache.at(slice(0, len(rows)), batch.cols, batch.span)
-            feature_layers = self.drafter.target_layer_ids if self._drafting else None
-            hidden, features = self.forward(batch.ids, batch.positions, write, batch.mask, feature_layers)
+        with self._stage(seconds, "verify", timing):
+            hidden, features = self._verify_forward(
+                batch.ids, batch.positions, batch.cols, batch.starts, batch.anc, batch.span
+            )  # [B', N', H], [B', N', F * H]: padded with fixed shapes
+            hidden = hidden[: batch.rows, : batch.nodes]  # [B, N, H]
+            features = None if features is None else features[: batch.rows, : batch.nodes]
             # The LM head closes the target forward. Sampling reads every node's distribution; the greedy
             # walk reads only the nodes it accepts.
             greedy_heads = self._greedy_heads(rows, trees, hidden)
@@ -642,13 +793,14 @@ class Engine:
             if sampled:
                 logits = self.lm_head(hidden[sampled])  # [S, N, V]
                 probs = filtered_probs(logits, SamplingTensors.from_params([rows[i].params for i in sampled]))
-        with self._stage(seconds, "accept"):
+        with self._stage(seconds, "accept", timing):
             verdicts = self._accept(rows, trees, greedy_heads, sampled, retrieves, probs)
         self._learn(rows, trees, verdicts)
-        with self._stage(seconds, "commit"):
+        with self._stage(seconds, "commit", timing):
             deltas = self._commit(rows, verdicts, hidden, features)
-        elapsed = self._now() - t_round
-        self.cost.observe(batch.ids.numel(), seconds["verify"], len(drafting), seconds["draft"], elapsed)
+        elapsed = self._now(timing) - t_round
+        if timing:
+            self.cost.observe(batch.ids.numel(), seconds["verify"], len(drafting), seconds["draft"], elapsed)
         for r in rows:
             for name, value in seconds.items():
                 r.stats.stage_seconds[name] += value
@@ -661,45 +813,96 @@ class Engine:
 
         A row's context may hold the features of several rounds (budget "auto" skips the drafter while
         drafting does not pay): the pass catches up on all of them, so the drafter's cache ends up exactly
-        as if it had drafted every round.
+        as if it had drafted every round. With fixed shapes the pass covers every drafting row (those not
+        drafting this round idle in it), padded to a batch bucket, with a context of one block: a longer
+        backlog repeats the same pass, and the last one drafts.
         """
-        b, bs = len(rows), self.drafter.block_size
-        device, scratch = self.device, self.draft_cache.scratch
-        context = [
-            torch.cat(r.features) if len(r.features) > 1 else r.features[0] for r in rows
-        ]  # [C_b, F*H]
-        c = max(x.shape[0] for x in context)
-        features = torch.zeros(b, c, context[0].shape[1], dtype=context[0].dtype, device=device)
-        num_ctx = torch.tensor([x.shape[0] for x in context], device=device)  # [B]
-        draft_len = torch.tensor([r.draft_len for r in rows], device=device)  # [B]
-        for i, x in enumerate(context):
-            features[i, : x.shape[0]] = x  # [B, C, F * H], right-padded
-        j = torch.arange(c, device=device)[None]  # [1, C]
-        ctx_positions = torch.where(j < num_ctx[:, None], draft_len[:, None] + j, 0)  # [B, C]
-        ctx_cols = torch.where(j < num_ctx[:, None], draft_len[:, None] + j, scratch)  # [B, C]
-        # The block goes right after the row's whole context, which ends at the root's position.
-        starts = draft_len + num_ctx  # [B] == each row's `start`
-        block_cols = starts[:, None] + torch.arange(bs, device=device)[None]  # [B, S]
-        ends = starts + bs  # [B]
-        span = int(ends.max())
-        mask = (torch.arange(span, device=device)[None] < ends[:, None])[:, None, None]  # [B, 1, 1, span]
-        block = torch.full((b, bs), self.drafter.mask_token_id, device=device)
-        block[:, 0] = torch.tensor([r.root for r in rows], device=device)
-        cache_rows = [r.draft_row for r in rows]
-        contiguous = cache_rows == list(range(b))
-        where = slice(0, b) if contiguous else torch.tensor(cache_rows, device=device)
-        write = self.draft_cache.at(where, torch.cat((ctx_cols, block_cols), dim=1), span)
-        hidden = self.drafter(
-            self.embed(block), features, block_cols, ctx_positions, write, mask
-        )  # [B, S, H]
+        if self.fixed_shapes:
+            drafting = {id(r) for r in rows}
+            slots = [r if id(r) in drafting else None for r in self._drafting]
+            b = pick(self.batch_buckets, len(slots))
+            hidden = self._draft_pass(slots, b, self.drafter.block_size, slice(0, b), fixed=True)
+            while any(r.features for r in rows):
+                hidden = self._draft_pass(slots, b, self.drafter.block_size, slice(0, b), fixed=True)
+            index = [r.draft_row for r in rows]
+        else:
+            cache_rows = [r.draft_row for r in rows]
+            contiguous = cache_rows == list(range(cache_rows[0], cache_rows[0] + len(rows)))
+            where = (
+                slice(cache_rows[0], cache_rows[0] + len(rows))
+                if contiguous
+                else torch.tensor(cache_rows, device=self.device)
+            )
+            width = max(sum(x.shape[0] for x in r.features) for r in rows)
+            hidden = self._draft_pass(rows, len(rows), width, where, fixed=False)
+            index = list(range(len(rows)))
         depths = [self._draft_depth(r) for r in rows]
-        hidden = hidden[:, 1 : 1 + max(depths)].to(self.draft_head.dtype)  # [B, depth, H]
+        hidden = hidden[index, 1 : 1 + max(depths)].to(self.draft_head.dtype)  # [B, depth, H]
         logits = F.linear(hidden, self.draft_head, self.draft_head_bias).float()  # [B, depth, V]
-        out = {}
-        for i, r in enumerate(rows):
-            r.draft_len, r.features = r.start, []
-            out[r.request_id] = logits[i, : depths[i]]
-        return out
+        return {r.request_id: logits[i, : depths[i]] for i, r in enumerate(rows)}
+
+    def _draft_pass(
+        self, slots: list[Request | None], b: int, c: int, where: slice | torch.Tensor, fixed: bool
+    ) -> torch.Tensor:
+        """One drafter forward over ``b`` cache rows (``fixed``: a captured shape, reading whole rows).
+
+        Slot i (its request, or None to idle) consumes up to ``c`` of its pending context features and
+        places its block right after them. Returns the blocks'
+        hidden states [b, S, H]; a row's drafts are valid once its whole context is consumed.
+
+        Idle and padding rows write only the scratch column and see column 0, so they stay finite and
+        change nothing.
+        """
+        bs, device = self.drafter.block_size, self.device
+        scratch = self.draft_cache.scratch
+        width = len(self.drafter.target_layer_ids) * self.embed.embedding_dim
+        features = torch.zeros(b, c, width, dtype=self.dtype, device=device)  # [b, C, F * H]
+        block = np.full((b, bs), self.drafter.mask_token_id, dtype=np.int64)  # [b, S]
+        ctx_positions = np.zeros((b, c), dtype=np.int64)
+        ctx_cols = np.full((b, c), scratch, dtype=np.int64)
+        block_cols = np.full((b, bs), scratch, dtype=np.int64)
+        block_positions = np.broadcast_to(np.arange(bs), (b, bs))
+        ends = np.ones(b, dtype=np.int64)
+        for i, r in enumerate(slots):
+            if r is None:
+                continue
+            pending = torch.cat(r.features) if len(r.features) > 1 else r.features[0] if r.features else None
+            k = 0 if pending is None else min(c, pending.shape[0])
+            if k:
+                features[i, :k] = pending[:k]
+                ctx_cols[i, :k] = ctx_positions[i, :k] = r.draft_len + np.arange(k)
+                r.draft_len += k
+                r.features = [pending[k:]] if pending.shape[0] > k else []
+            block[i, 0] = r.root
+            block_cols[i] = r.draft_len + np.arange(bs)  # after the consumed context
+            ends[i] = r.draft_len + bs
+        if fixed:
+            span = self.draft_cache.capacity + 1
+            put = self._inputs.put
+            inputs = (
+                put("block", block),
+                put("features", features),
+                put("ctx_positions", ctx_positions),
+                put("ctx_cols", ctx_cols),
+                put("block_positions", np.where(block_cols == scratch, block_positions, block_cols)),
+                put("block_cols", block_cols),
+                put("ends", ends),
+            )
+        else:
+            span = int(ends.max())
+            inputs = tuple(
+                x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x)).to(device)
+                for x in (
+                    block,
+                    features,
+                    ctx_positions,
+                    ctx_cols,
+                    np.where(block_cols == scratch, block_positions, block_cols),
+                    block_cols,
+                    ends,
+                )
+            )
+        return (self._draft_forward if fixed else self._draft_forward_eager)(*inputs, where, span)
 
     def _room(self, r: Request) -> int:
         """Tree nodes row r can still hold: its cache columns from ``start`` to the capacity."""
@@ -719,7 +922,8 @@ class Engine:
     def _tree(self, r: Request, draft_logits: torch.Tensor | None) -> DraftTree:
         """Row r's tree: the root alone (``ar``, or no draft this round), the argmax chain (``dflash``) or
         the best-first tree (``ddtree``; with budget "auto", of ``auto_max_budget`` candidates)."""
-        room = self._room(r) - 1  # drafted nodes that still fit in the row (a tree never changes the output)
+        # Drafted nodes that fit in the row and in the largest node bucket (a tree never changes the output).
+        room = min(self._room(r) - 1, self.max_drafted)
         if draft_logits is None or room < 1:
             return DraftTree.root_only(r.root)
         if r.method == "dflash":
@@ -802,29 +1006,44 @@ class Engine:
                 self.forward(ids, cols, self.cache.at(slice(row, row + 1), cols, tokens), mask)
             self.cost.verify.observe(tokens, self._now() - t)
 
-    def _verify_inputs(self, rows: list[Request], trees: list[DraftTree]) -> VerifyBatch:
+    def _verify_inputs(
+        self, rows: list[Request], trees: list[DraftTree], shape: tuple[int, int] | None = None
+    ) -> VerifyBatch:
+        """Every row's tree as one padded batch: to the widest tree, or with fixed shapes to the buckets
+        that hold the batch (``shape`` forces one, for the warm-up)."""
         sizes = [t.num_nodes for t in trees]
-        b, n = len(rows), max(sizes)
-        starts = np.array([r.start for r in rows])  # [B]
-        span = int(max(s + m for s, m in zip(starts, sizes, strict=True)))
-        ids = np.zeros((b, n), dtype=np.int64)
-        positions = np.repeat(starts[:, None], n, axis=1)  # [B, N]; padding sits at the root's position
-        cols = np.full((b, n), self.cache.scratch, dtype=np.int64)  # [B, N]
-        visible = np.arange(span)[None, None, :] < starts[:, None, None]  # [B, 1, span] committed columns
-        visible = np.repeat(visible, n, axis=1)  # [B, N, span]
-        for i, (tree, start, m) in enumerate(zip(trees, starts, sizes, strict=True)):
-            tree_ids, tree_positions, anc = tree_verify_inputs(tree, int(start))  # [m], [m], [m, m]
-            ids[i, :m], positions[i, :m] = tree_ids, tree_positions
-            cols[i, :m] = np.arange(start, start + m)
-            visible[i, :m, start : start + m] = anc
-        device = self.device
-        return VerifyBatch(
-            ids=torch.from_numpy(ids).to(device),
-            positions=torch.from_numpy(positions).to(device),
-            cols=torch.from_numpy(cols).to(device),
-            mask=torch.from_numpy(visible).to(device)[:, None],
-            span=span,
+        b, n = len(rows), max(sizes, default=1)
+        starts = np.array([r.start for r in rows], dtype=np.int64)  # [B]
+        if shape is not None:
+            bp, np_ = shape
+        elif self.fixed_shapes:
+            bp, np_ = pick(self.batch_buckets, b), pick(self.node_buckets, n)
+        else:
+            bp, np_ = b, n
+        span = (
+            self.cache.capacity + 1
+            if self.fixed_shapes
+            else int(max(s + m for s, m in zip(starts, sizes, strict=True)))
         )
+        all_starts = np.ones(bp, dtype=np.int64)  # a dummy row sees column 0 (a masked-out row is NaN)
+        all_starts[:b] = starts
+        ids = np.zeros((bp, np_), dtype=np.int64)
+        positions = np.repeat(all_starts[:, None], np_, axis=1)  # [B, N]; padding sits at the root's position
+        cols = np.full((bp, np_), self.cache.scratch, dtype=np.int64)  # [B, N]
+        anc = np.zeros((bp, np_, np_), dtype=bool)  # [B, N, N]; padding sees committed columns only
+        for i, (tree, start, m) in enumerate(zip(trees, starts, sizes, strict=True)):
+            tree_ids, tree_positions, tree_anc = tree_verify_inputs(tree, int(start))  # [m], [m], [m, m]
+            ids[i, :m], positions[i, :m], anc[i, :m, :m] = tree_ids, tree_positions, tree_anc
+            cols[i, :m] = np.arange(start, start + m)
+        if self.fixed_shapes:
+            put = self._inputs.put
+            names = ("ids", "positions", "cols", "starts", "anc")
+            tensors = [
+                put(name, x) for name, x in zip(names, (ids, positions, cols, all_starts, anc), strict=True)
+            ]
+        else:
+            tensors = [torch.from_numpy(x).to(self.device) for x in (ids, positions, cols, all_starts, anc)]
+        return VerifyBatch(*tensors, span=span, rows=b, nodes=n)
 
     def _greedy_heads(
         self, rows: list[Request], trees: list[DraftTree], hidden: torch.Tensor
@@ -910,7 +1129,8 @@ class Engine:
             m = len(nodes)
             if r.drafts:  # [N, F * H] -> [m, F * H]; a first-child chain needs no gather
                 # Rows that skipped the drafter this round keep their earlier unconsumed features too.
-                r.features.append(features[i, :m] if nodes[-1] == m - 1 else features[i, nodes])
+                # A copy: the forward's output buffer is reused by the next round (CUDA graphs).
+                r.features.append(features[i, :m].clone() if nodes[-1] == m - 1 else features[i, nodes])
             r.start += m
             r.root = tokens[-1]
             r.stats.acceptance_lengths.append(len(tokens))
@@ -936,13 +1156,16 @@ class Engine:
 
     # -- timing -----------------------------------------------------------------------------------------
 
-    def _now(self) -> float:
-        if self.device.type == "cuda":  # stage times are only meaningful once the queued kernels finished
+    def _now(self, sync: bool = True) -> float:
+        if sync and self.device.type == "cuda":  # a stage's time is only known once its kernels finished
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
     @contextmanager
-    def _stage(self, seconds: dict[str, float], name: str):
+    def _stage(self, seconds: dict[str, float], name: str, timing: bool):
+        if not timing:
+            yield
+            return
         t = self._now()
         yield
         seconds[name] += self._now() - t

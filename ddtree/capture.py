@@ -1,0 +1,130 @@
+"""Capture-ready forwards: every round's shapes come from a small fixed set, so each can be compiled once.
+
+On an accelerator, small-batch decoding is bound by kernel launches; gpt-fast, vLLM and SGLang capture the
+decode step (CUDA graphs via ``torch.compile(mode="reduce-overhead")`` or their own capture). A graph is
+only valid for the shapes and addresses it was captured with, so with ``Engine(compile=True)``:
+
+- the verify batch is padded to a **batch bucket** (rows) and a **node bucket** (tree nodes, root
+  included); dummy rows and nodes write only the scratch column and are never read or committed;
+- attention reads the whole fixed-capacity cache row (``capacity + 1`` columns) behind a mask built in the
+  graph from per-row lengths and the tree block, as gpt-fast reads its ``max_seq_length`` cache;
+- the drafter pass is padded to a batch bucket and a context width of one block (the most a round can
+  commit); a longer backlog is consumed by repeating the same pass;
+- inputs live in persistent buffers, one set per shape, overwritten in place each round (the official
+  DDTree code and Lucebox PR #101: reallocating them every step cost more than the tree saved);
+- the KV caches and those buffers are marked static, so CUDA graphs may write them in place.
+
+One ``torch.compile(fullgraph=True, dynamic=False)`` per forward, one graph per shape, all compiled and
+captured at start-up (``Engine.warm_up``): after that, no round compiles or falls back to eager.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from ddtree.errors import DDTreeError
+
+
+def batch_ladder(max_batch_size: int) -> tuple[int, ...]:
+    """Powers of two below ``max_batch_size``, then ``max_batch_size`` itself (vLLM's capture sizes)."""
+    sizes, b = [], 1
+    while b < max_batch_size:
+        sizes.append(b)
+        b *= 2
+    return (*sizes, max_batch_size)
+
+
+def node_ladder(max_drafted: int) -> tuple[int, ...]:
+    """Tree sizes 1, 2, 3, 5, 9, 17, ... (the root plus a power of two of drafted nodes) up to the first
+    that holds ``max_drafted`` drafted nodes: a power-of-two budget fills its bucket exactly."""
+    sizes, d = [1], 1
+    while sizes[-1] < max_drafted + 1:
+        sizes.append(d + 1)
+        d *= 2
+    return tuple(sizes)
+
+
+def check_buckets(
+    name: str, buckets: Sequence[int] | None, limit: int | None = None
+) -> tuple[int, ...] | None:
+    """Sorted, distinct, positive integers (at most ``limit``), or None for the default ladder."""
+    if buckets is None:
+        return None
+    values = list(buckets)
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+        raise DDTreeError(f"{name} must be a non-empty list of integers >= 1, got {buckets!r}")
+    if limit is not None and max(values) > limit:
+        raise DDTreeError(f"{name} may not exceed {limit}, got {max(values)}")
+    return tuple(sorted(set(values)))
+
+
+def pick(buckets: tuple[int, ...], n: int) -> int:
+    """The smallest bucket that holds ``n`` (the caller keeps ``n`` within the largest)."""
+    for size in buckets:
+        if size >= n:
+            return size
+    raise DDTreeError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def tree_mask(starts: torch.Tensor, anc: torch.Tensor, span: int) -> torch.Tensor:
+    """The verify mask [B, 1, N, span] (True = attend) from per-row lengths and tree blocks.
+
+    Row b's node i sees the committed columns [0, starts[b]) and, of its tree's columns starts[b] + j, the
+    ancestors ``anc[b, i, j]``. Built on the device in O(B x N x span) with no host work per column (SGLang
+    PR #29907's review: only the tree block needs a mask, the prefix is a length).
+    """
+    b, n, _ = anc.shape
+    rel = torch.arange(span, device=anc.device)[None] - starts[:, None]  # [B, span] column - start
+    in_tree = (rel >= 0) & (rel < n)  # [B, span]
+    block = anc.gather(2, rel.clamp(0, n - 1)[:, None].expand(b, n, span))  # [B, N, span]
+    return ((rel < 0)[:, None] | (block & in_tree[:, None]))[:, None]  # [B, 1, N, span]
+
+
+class StaticInputs:
+    """Persistent device buffers, one per (name, shape, dtype), refilled in place from host arrays."""
+
+    def __init__(self, device: torch.device, static: bool) -> None:
+        self.device = device
+        self.static = static  # mark for CUDA graphs: replays read them where they are
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def put(self, name: str, array: np.ndarray | torch.Tensor) -> torch.Tensor:
+        key = (name, tuple(array.shape), str(array.dtype))
+        buf = self._buffers.get(key)
+        if buf is None:
+            src = torch.from_numpy(array) if isinstance(array, np.ndarray) else array
+            buf = self._buffers[key] = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            if self.static:
+                torch._dynamo.mark_static_address(buf)
+        buf.copy_(torch.from_numpy(array) if isinstance(array, np.ndarray) else array)
+        return buf
+
+
+def compile_forward(fn: Callable, device: torch.device, num_shapes: int) -> Callable:
+    """``torch.compile`` of one forward for ``num_shapes`` fixed shapes: one graph each, no graph break,
+    CUDA graphs on CUDA."""
+    config = torch._dynamo.config
+    # Every shape is a new entry for the same code: let all of them compile rather than fall back.
+    config.recompile_limit = max(config.recompile_limit, num_shapes + 1)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * num_shapes)
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+
+
+def mark_static(tensors: Sequence[torch.Tensor]) -> None:
+    """KV caches are written in place by captured graphs: their addresses must never change."""
+    for t in tensors:
+        torch._dynamo.mark_static_address(t)
+
+
+def timed(fn: Callable[[], None], device: torch.device) -> float:
+    """Seconds ``fn`` takes, with the device's queued work finished."""
+    t = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t

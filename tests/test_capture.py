@@ -1,0 +1,200 @@
+"""Capture-ready decoding: padding to fixed shapes changes no output, and compiled rounds never recompile.
+
+The built-in pair decodes mixed batches (every method, several budgets, greedy and seeded sampling) three
+ways: with the default shapes, padded to batch and node buckets that force dummy rows and nodes, and
+compiled. Greedy tokens and seeded samples must be identical. The drafter runs in float32 here: its bf16
+logits are coarse enough for exact ties between tree nodes, and a compiled kernel's last-bit differences
+may order tied nodes differently (either order is a valid tree, but the seeded draws then differ).
+
+``DDTREE_TEST_DEVICE=cuda`` runs the engines on CUDA (compiled with CUDA graphs), as
+``scripts/accelerator_check.sh`` does.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from ddtree import DDTreeError
+from ddtree.capture import batch_ladder, node_ladder, pick, tree_mask
+from ddtree.engine import Engine
+from ddtree.params import SamplingParams
+
+DEVICE = os.environ.get("DDTREE_TEST_DEVICE", "cpu")
+OPTIONS = dict(max_model_len=256, draft_dtype=torch.float32, device=DEVICE)
+PROMPTS = [
+    "def fibonacci(n):",
+    "The capital of France is",
+    "import numpy as np\n\n",
+    "Once upon a time",
+    "for i in range(10):",
+]
+
+
+def requests(new: int) -> list[tuple[str, SamplingParams, str, int | None]]:
+    """(prompt, params, method, budget): every method, budgets that fill or underfill their bucket."""
+    greedy = SamplingParams(max_new_tokens=new)
+    return [
+        (PROMPTS[0], greedy, "ddtree", 16),
+        (PROMPTS[1], SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_new_tokens=new), "ddtree", 3),
+        (PROMPTS[2], greedy, "dflash", None),
+        (PROMPTS[3], SamplingParams(temperature=1.0, top_k=20, seed=2, max_new_tokens=new), "ar", None),
+        (PROMPTS[4], SamplingParams(temperature=0.7, seed=3, max_new_tokens=new, logprobs=2), "ddtree", 8),
+    ]
+
+
+def run(engine: Engine, specs) -> list:
+    """Decode the requests as one continuously batched run (more requests than rows: admissions mid-run)."""
+    ids = [engine.add_request(p, sp, method=m, budget=b) for p, sp, m, b in specs]
+    done: dict[str, list] = {i: [[], []] for i in ids}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            done[delta.request_id][0] += delta.token_ids
+            done[delta.request_id][1] += [(lp.token, round(lp.logprob, 4)) for lp in delta.logprobs]
+    return [done[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def eager() -> Engine:
+    return Engine.from_pretrained(max_batch_size=4, **OPTIONS)
+
+
+def test_ladders_cover_every_size_with_the_smallest_bucket():
+    assert batch_ladder(16) == (1, 2, 4, 8, 16)
+    assert batch_ladder(6) == (1, 2, 4, 6)
+    assert batch_ladder(1) == (1,)
+    assert node_ladder(16) == (1, 2, 3, 5, 9, 17)
+    assert node_ladder(17) == (1, 2, 3, 5, 9, 17, 33)
+    assert node_ladder(0) == (1,)
+    assert [pick((1, 2, 3, 5, 9, 17), n) for n in (1, 4, 9, 10, 17)] == [1, 5, 9, 17, 17]
+    with pytest.raises(DDTreeError):
+        pick((1, 5), 6)
+
+
+def test_tree_mask_shows_committed_columns_and_ancestors_only():
+    rng = np.random.default_rng(0)
+    b, n, span = 3, 5, 16
+    starts = np.array([1, 4, 11])
+    anc = rng.random((b, n, n)) < 0.5
+    expected = np.zeros((b, n, span), dtype=bool)
+    for r in range(b):
+        expected[r, :, : starts[r]] = True
+        for j in range(n):
+            if starts[r] + j < span:
+                expected[r, :, starts[r] + j] = anc[r, :, j]
+    got = tree_mask(torch.from_numpy(starts), torch.from_numpy(anc), span)
+    assert got.shape == (b, 1, n, span)
+    assert np.array_equal(got[:, 0].numpy(), expected)
+
+
+def test_bucket_options_are_checked_before_anything_runs(eager: Engine):
+    target, drafter = eager.target, eager.drafter
+    with pytest.raises(DDTreeError, match="largest batch bucket"):
+        Engine(target, drafter, max_batch_size=4, fixed_shapes=True, batch_buckets=[1, 2])
+    with pytest.raises(DDTreeError, match="batch_buckets"):
+        Engine(target, drafter, max_batch_size=4, fixed_shapes=True, batch_buckets=[0, 4])
+    with pytest.raises(DDTreeError, match="need fixed shapes"):
+        Engine(target, drafter, node_buckets=[5])
+    with pytest.raises(DDTreeError, match="compile=True needs fixed shapes"):
+        Engine(target, drafter, compile=True, fixed_shapes=False)
+    with pytest.raises(DDTreeError, match="largest node bucket"):
+        Engine(target, drafter, budget=32, fixed_shapes=True, node_buckets=[5, 17])
+    padded = Engine(target, drafter, budget=8, fixed_shapes=True, node_buckets=[5, 17])
+    with pytest.raises(DDTreeError, match="largest node bucket"):
+        padded.add_request("x", budget=17)
+    assert padded.num_waiting == 0
+
+
+def test_padded_rows_and_nodes_change_no_output(eager: Engine):
+    """Buckets of 3 and 4 rows and 4, 7, 13, 17 nodes: dummy rows, dummy nodes and every tree size padded."""
+    padded = Engine(
+        eager.target,
+        eager.drafter,
+        eager.tokenizer,
+        max_batch_size=4,
+        max_model_len=256,
+        draft_dtype=torch.float32,
+        fixed_shapes=True,
+        batch_buckets=[3, 4],
+        node_buckets=[4, 7, 13, 17],
+    )
+    shapes = []
+    verify = padded._verify_forward
+
+    def spy(ids, positions, cols, starts, anc, span):
+        widest = int(anc.diagonal(dim1=1, dim2=2).sum(-1).max())  # a real node sees itself, padding not
+        shapes.append((tuple(ids.shape), span, padded.num_running, widest))
+        return verify(ids, positions, cols, starts, anc, span)
+
+    padded._verify_forward = spy
+    specs = requests(new=40)
+    assert run(padded, specs) == run(eager, specs)
+    assert {s[0] for s in shapes} <= {(b, n) for b in (3, 4) for n in (4, 7, 13, 17)}
+    assert {s[1] for s in shapes} == {padded.cache.capacity + 1}  # whole rows, whatever the lengths
+    assert any(rows < shape[0] for shape, _, rows, _ in shapes)  # dummy rows
+    assert any(widest < shape[1] for shape, _, _, widest in shapes)  # dummy nodes
+
+
+@pytest.fixture(scope="module")
+def compiled(eager: Engine) -> Engine:
+    return Engine(
+        eager.target,
+        eager.drafter,
+        eager.tokenizer,
+        max_batch_size=2,
+        max_model_len=256,
+        draft_dtype=torch.float32,
+        compile=True,
+        batch_buckets=[1, 2],
+        node_buckets=[5, 17],
+    )
+
+
+def test_compiled_rounds_never_recompile_and_match_eager(eager: Engine, compiled: Engine):
+    """After the start-up warm-up, 50+ rounds of mixed budgets and batch sizes compile nothing more, break
+    no graph and emit exactly what the eager engine emits."""
+    assert compiled.warmup_seconds > 0
+    graphs = counters["stats"]["unique_graphs"]
+    rounds = []
+    step = compiled._round
+
+    def count():
+        rounds.append(compiled.num_running)
+        return step()
+
+    compiled._round = count
+    specs = requests(new=48)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = run(compiled, specs)
+    assert len(rounds) >= 50 and set(rounds) == {1, 2}
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled after the warm-up
+    assert sum(counters["graph_break"].values()) == 0
+    assert got == run(eager, specs)
+
+
+def test_stage_timing_is_opt_in(eager: Engine):
+    """Without profiling no stage waits for the device (on CUDA each timed boundary synchronises)."""
+    synced = []
+    now = eager._now
+
+    def spy(sync: bool = True) -> float:
+        synced.append(sync)
+        return now(sync)
+
+    eager._now = spy
+    try:
+        quiet = eager.generate(PROMPTS[0], SamplingParams(max_new_tokens=20))
+        in_rounds = list(synced)
+        eager.profile = True
+        timed = eager.generate(PROMPTS[0], SamplingParams(max_new_tokens=20))
+    finally:
+        eager.profile = False
+        del eager._now
+    assert set(quiet.stats.stage_seconds.values()) == {0.0} and quiet.stats.decode_seconds > 0
+    assert in_rounds.count(True) == 2  # the prefill's start and end only
+    assert all(timed.stats.stage_seconds[s] > 0 for s in ("draft", "tree", "verify", "commit"))
+    assert timed.token_ids == quiet.token_ids

@@ -20,6 +20,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from ddtree import DDTreeError
+from ddtree.budget import CostModel, LinearCost
 from ddtree.capture import batch_ladder, node_ladder, pick, tree_mask
 from ddtree.engine import Engine
 from ddtree.params import SamplingParams
@@ -198,3 +199,36 @@ def test_stage_timing_is_opt_in(eager: Engine):
     assert in_rounds.count(True) == 2  # the prefill's start and end only
     assert all(timed.stats.stage_seconds[s] > 0 for s in ("draft", "tree", "verify", "commit"))
     assert timed.token_ids == quiet.token_ids
+
+
+def test_auto_rows_catch_up_a_long_backlog_with_repeated_fixed_passes(eager: Engine):
+    """A cost where drafting never pays: "auto" rows run plain for 1, 2, 4, ... 16 rounds and probe in
+    between; a backlog longer than the pass's one-block context takes several passes, and the probes'
+    drafts are still accepted (the drafter's cache caught up exactly)."""
+    cost = CostModel(verify=LinearCost(1.0, 0.001), draft=LinearCost(5.0, 0.0), frozen=True)
+    padded = Engine(
+        eager.target,
+        eager.drafter,
+        eager.tokenizer,
+        budget="auto",
+        max_batch_size=2,
+        max_model_len=256,
+        fixed_shapes=True,
+        node_buckets=[5, 17],
+        cost_model=cost,
+    )
+    passes = []
+    draft_pass = padded._draft_pass
+
+    def spy(slots, b, c, where, fixed):
+        passes.append((len(padded._running[0].stats.acceptance_lengths), fixed))
+        return draft_pass(slots, b, c, where, fixed)
+
+    padded._draft_pass = spy
+    params = SamplingParams(max_new_tokens=90)
+    got = padded.generate(PROMPTS[0], params)
+    assert got.token_ids == eager.generate(PROMPTS[0], params, method="ar").token_ids
+    rounds = [n for n, fixed in passes if fixed]
+    assert max(rounds.count(n) for n in set(rounds)) >= 2  # one round, several passes
+    probes = [a for a, n in zip(got.stats.acceptance_lengths, got.stats.drafted_nodes, strict=True) if n]
+    assert max(probes) > 1

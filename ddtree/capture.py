@@ -20,7 +20,6 @@ captured at start-up (``Engine.warm_up``): after that, no round compiles or fall
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -111,20 +110,20 @@ def compile_forward(fn: Callable, device: torch.device, num_shapes: int) -> Call
     # Every shape is a new entry for the same code: let all of them compile rather than fall back.
     config.recompile_limit = max(config.recompile_limit, num_shapes + 1)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * num_shapes)
-    mode = "reduce-overhead" if device.type == "cuda" else None
-    return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+    if device.type != "cuda":
+        return torch.compile(fn, fullgraph=True, dynamic=False)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
+
+    def replay(*args):
+        # Every earlier output is dead by the next forward (the engine copies what it keeps), so each
+        # call may start a new generation of CUDA graph trees and reuse their memory.
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*args)
+
+    return replay
 
 
 def mark_static(tensors: Sequence[torch.Tensor]) -> None:
     """KV caches are written in place by captured graphs: their addresses must never change."""
     for t in tensors:
         torch._dynamo.mark_static_address(t)
-
-
-def timed(fn: Callable[[], None], device: torch.device) -> float:
-    """Seconds ``fn`` takes, with the device's queued work finished."""
-    t = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t

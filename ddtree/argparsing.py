@@ -38,3 +38,62 @@ def add_draft_topk(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--draft-topk", dest="topk", type=int, default=None, metavar="K", help=help_)
     p.add_argument("--topk", dest="topk", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def int_list(flag: str):
+    """An argparse type for a comma-separated list of integers (``1,2,4``); errors name the flag's value."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(v.strip()) for v in text.split(",") if v.strip())
+        except ValueError:
+            values = ()
+        if not values:
+            raise argparse.ArgumentTypeError(f"{flag} must be comma-separated integers, got {text!r}")
+        return values
+
+    return parse
+
+
+def add_compile_options(p: argparse.ArgumentParser) -> None:
+    """``--compile`` and the fixed shapes it captures (``Engine(compile=True, batch_buckets=...)``)."""
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="pad every round to fixed shapes and torch.compile the target and drafter forwards "
+        "(CUDA graphs on CUDA); every shape compiles at start-up, which takes minutes on a CPU",
+    )
+    p.add_argument(
+        "--batch-buckets",
+        type=int_list("--batch-buckets"),
+        default=None,
+        metavar="B1,B2,...",
+        help="with --compile: the batch sizes to compile, comma-separated, the largest being the "
+        "maximum batch size (default: 1, 2, 4, ... up to it); fewer buckets start faster",
+    )
+    p.add_argument(
+        "--node-buckets",
+        type=int_list("--node-buckets"),
+        default=None,
+        metavar="N1,N2,...",
+        help="with --compile: the tree sizes to compile (root included), comma-separated; the "
+        "largest must hold the budget plus one (default: 1, 2, 3, 5, 9, 17, ... up to it)",
+    )
+
+
+def check_compile_options(args: argparse.Namespace, max_batch_size: int) -> None:
+    """The bucket flags' checks that need no model, so a bad list fails before any weight is loaded."""
+    from ddtree.capture import check_buckets
+
+    if not args.compile:
+        for flag in ("batch_buckets", "node_buckets"):
+            if getattr(args, flag) is not None:
+                raise DDTreeError(f"--{flag.replace('_', '-')} needs --compile")
+        return
+    batch = check_buckets("--batch-buckets", args.batch_buckets, max_batch_size)
+    if batch is not None and batch[-1] != max_batch_size:
+        raise DDTreeError(
+            f"the largest of --batch-buckets must be the maximum batch size ({max_batch_size}), "
+            f"got {batch[-1]}"
+        )
+    check_buckets("--node-buckets", args.node_buckets)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from ddtree import __version__
-from ddtree.argparsing import Parser, add_draft_topk
+from ddtree.argparsing import Parser, add_compile_options, add_draft_topk, check_compile_options
 from ddtree.bench.cli import register_bench
 from ddtree.errors import DDTreeError
 from ddtree.params import METHODS, check_accept_thresholds, check_speculative_options, parse_budget
@@ -26,11 +26,13 @@ DEFAULT_BUDGET = 16  # the fastest budget measured on a CPU (docs/benchmarks.md)
 GENERATE_EXAMPLES = """examples:
   ddtree generate "def fibonacci(n):" --stats
   echo "import os" | ddtree generate - --temperature 0.7 --seed 1
-  ddtree generate --prompt-file prompt.txt --target DIR --drafter DIR --budget 32"""
+  ddtree generate --prompt-file prompt.txt --target DIR --drafter DIR --budget 32
+  ddtree generate "import os" --device cuda --compile --node-buckets 1,17 --stats"""
 SERVE_EXAMPLES = """example:
   ddtree serve --port 8000 &
   curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
-      -d '{"prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0}'"""
+      -d '{"prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0}'
+  ddtree serve --device cuda --compile --max-batch-size 8 --batch-buckets 1,2,4,8   # compiled at start-up"""
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -69,6 +71,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         help="SGLang's threshold_acc: accept when coin < (siblings' target mass) / A; LOSSY below 1.0",
     )
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")  # fmt: skip
+    add_compile_options(p)
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -92,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-file", type=Path, default=None, help="read the prompt from this file")
     _add_engine_options(gen)
     _add_sampling_options(gen)
-    gen.add_argument("--stats", action="store_true", help="print speculative-decoding stats to stderr")
+    gen.add_argument("--stats", action="store_true",
+                     help="print speculative-decoding stats, stage seconds included, to stderr")  # fmt: skip
     gen.set_defaults(func=_generate)
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
                          description="Serve the engine over an OpenAI-compatible HTTP API.",
@@ -105,12 +109,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+GENERATE_BATCH_SIZE = 1  # ``generate`` runs one request: one cache row, and one batch shape to compile
+
+
+def max_batch_size(args: argparse.Namespace) -> int:
+    """``serve``'s --max-batch-size; ``generate`` runs one request."""
+    return args.max_batch_size if "max_batch_size" in args else GENERATE_BATCH_SIZE
+
+
 def check_engine_flags(args: argparse.Namespace):
-    """The checks that need no model: method, budget, topk, thresholds, device. Returns the device."""
+    """The checks that need no model: method, budget, topk, thresholds, device, compile buckets. Returns
+    the device."""
     from ddtree.models import check_device
 
     check_speculative_options(args.method, args.budget, args.topk)
     check_accept_thresholds(args.accept_threshold_single, args.accept_threshold_acc)
+    check_compile_options(args, max_batch_size(args))
     return check_device(args.device)
 
 
@@ -134,7 +148,9 @@ def engine_from_args(args: argparse.Namespace):
         )
     if args.target is None and not DEFAULT_TARGET.is_dir():
         raise DDTreeError("the built-in models are not installed; pass --target (and --drafter)")
-    batch = {"max_batch_size": args.max_batch_size} if "max_batch_size" in args else {}  # serve
+    compiled = {}
+    if args.compile:
+        compiled = {"compile": True, "batch_buckets": args.batch_buckets, "node_buckets": args.node_buckets}
     return Engine.from_pretrained(
         target,
         drafter,
@@ -144,7 +160,9 @@ def engine_from_args(args: argparse.Namespace):
         device=device,
         accept_threshold_single=args.accept_threshold_single,
         accept_threshold_acc=args.accept_threshold_acc,
-        **batch,
+        max_batch_size=max_batch_size(args),
+        profile=bool(getattr(args, "stats", False)),  # stage seconds cost a device sync per stage
+        **compiled,
     )
 
 
@@ -188,6 +206,8 @@ def _generate(args: argparse.Namespace) -> None:
         stats["finish_reason"] = delta.finish_reason
         lengths = stats.pop("acceptance_lengths")  # one per round: summarised, the JSON stays readable
         stats["acceptance_histogram"] = {n: lengths.count(n) for n in sorted(set(lengths))}
+        if engine.compiled:
+            stats["compile_warmup_seconds"] = engine.warmup_seconds
         print(json.dumps(stats, indent=2), file=sys.stderr)
 
 

@@ -58,7 +58,8 @@ def test_generate_streams_the_engines_greedy_text_and_prints_stats(model_dirs):
     assert run.stdout == prompt + expected.text + "\n"
     stats = json.loads(run.stderr[run.stderr.index("{") :])
     assert stats["method"] == "ddtree" and stats["rounds"] >= 1 and stats["tau"] >= 1.0
-    assert set(stats["stage_seconds"]) == {"draft", "tree", "compile", "verify", "accept", "commit"}
+    assert set(stats["stage_seconds"]) == {"draft", "tree", "inputs", "verify", "accept", "commit"}
+    assert stats["stage_seconds"]["verify"] > 0 and stats["stage_seconds"]["draft"] > 0  # --stats profiles
 
 
 def test_sampled_generation_with_a_seed_repeats(model_dirs):
@@ -281,3 +282,61 @@ def test_lossy_thresholds_reach_the_engine_and_its_stats(model_dirs):
     assert run.returncode == 0, run.stderr
     stats = json.loads(run.stderr[run.stderr.index("{") :])
     assert stats["accept_threshold_single"] == 0.0 and stats["accept_threshold_acc"] == 0.5
+
+
+# -- --compile and its buckets ----------------------------------------------------------------------------
+
+
+def test_compile_flags_parse_for_generate_serve_and_bench():
+    from ddtree.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(
+        ["generate", "x", "--compile", "--batch-buckets", "1", "--node-buckets", "1, 9,17"]
+    )
+    assert args.compile and args.batch_buckets == (1,) and args.node_buckets == (1, 9, 17)
+    serve = parser.parse_args(["serve", "--compile", "--max-batch-size", "4", "--batch-buckets", "1,4"])
+    assert serve.compile and serve.batch_buckets == (1, 4) and serve.node_buckets is None
+    bench = parser.parse_args(["bench", "--compile", "--node-buckets", "17"])
+    assert bench.compile and bench.node_buckets == (17,)
+    for command in (["generate", "x"], ["serve"], ["bench"]):
+        plain = parser.parse_args(command)
+        assert not plain.compile and plain.batch_buckets is None and plain.node_buckets is None
+    assert "--compile" in ddtree("serve", "--help").stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "fragments"),
+    [
+        (["generate", "def", "--node-buckets", "17"], ["--node-buckets needs --compile"]),
+        (["generate", "def", "--compile", "--node-buckets", "1,x"], ["must be comma-separated"]),
+        (["generate", "def", "--compile", "--node-buckets", "0,17"], ["--node-buckets must be", ">= 1"]),
+        (["generate", "def", "--compile", "--batch-buckets", "1,2"], ["--batch-buckets may not exceed 1"]),
+        (["serve", "--port", "0", "--compile", "--max-batch-size", "8", "--batch-buckets", "1,4"],
+         ["largest of --batch-buckets must be the maximum batch size (8)"]),
+        (["serve", "--port", "0", "--batch-buckets", "16"], ["--batch-buckets needs --compile"]),
+        (["bench", "--batch-buckets", "1", "--num-prompts", "1"], ["--batch-buckets needs --compile"]),
+        (["bench", "--compile", "--concurrency", "1,4", "--batch-buckets", "1,2", "--num-prompts", "1"],
+         ["largest of --batch-buckets must be the maximum batch size (4)"]),
+    ],
+)  # fmt: skip
+def test_bad_bucket_lists_fail_in_one_line_before_loading(flags, fragments, capsys):
+    from ddtree.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(flags)
+    captured = capsys.readouterr()
+    assert exc.value.code == 2 and captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddtree: error: "), captured.err
+    assert all(f in lines[0] for f in fragments), captured.err
+
+
+def test_generate_builds_a_one_row_engine_that_profiles_only_for_stats(model_dirs):
+    from ddtree.cli import build_parser, engine_from_args
+
+    target_dir, drafter_dir = model_dirs
+    flags = ["generate", "x", "--target", str(target_dir), "--drafter", str(drafter_dir)]
+    quiet, stats = (engine_from_args(build_parser().parse_args(flags + extra)) for extra in ([], ["--stats"]))
+    assert not quiet.profile and stats.profile and not stats.compiled
+    assert quiet.max_batch_size == stats.max_batch_size == 1  # one request: one cache row, one batch shape

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -281,6 +282,47 @@ def test_generation_answers_503_until_the_engine_is_loaded_and_warm(engine):
     finally:
         loaded.set()
         client.__exit__(None, None, None)
+
+
+class CompiledLooking:
+    """The module's eager engine, dressed as an ``Engine(compile=True)`` that took 12.5 s to compile."""
+
+    compiled, warmup_seconds, batch_buckets, node_buckets = True, 12.5, (1, 16), (1, 17)
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+
+def test_a_compiled_engine_is_ready_after_its_compile_and_logs_its_seconds_once(engine):
+    compiling = threading.Event()  # the Engine constructor compiles: the factory has not returned yet
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("ddtree.server")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+    def compiling_factory():
+        compiling.wait(30)
+        return CompiledLooking(engine)
+
+    client = start(compiling_factory)
+    try:
+        assert client.get("/ready").status_code == 503
+        compiling.set()
+        wait_until_ready(client)
+        assert client.post("/v1/completions", json=COMPLETION).status_code == 200
+    finally:
+        compiling.set()
+        client.__exit__(None, None, None)
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    compiled = [r.getMessage() for r in records if "compiled" in r.getMessage()]
+    assert compiled == ["engine compiled in 12.5 s: batch buckets 1,16, node buckets 1,17"]
 
 
 def test_a_failed_load_is_reported_and_handed_to_the_caller(tmp_path):

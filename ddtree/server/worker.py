@@ -149,7 +149,8 @@ class EngineWorker:
 
     def _main(self) -> None:
         try:
-            model = self.engine_factory()
+            model = self.engine_factory()  # a compiled engine compiles (and captures) every shape here
+            log_compile(model.engine)
             self.state = "warming"
             if self.warmup is not None:
                 self.warmup(model)
@@ -261,3 +262,15 @@ class EngineWorker:
         if self.engine is not None and threading.current_thread() is self._thread:
             self.metrics.rows_running.set(self.engine.engine.num_running)
             self.metrics.rows_waiting.set(self.engine.engine.num_waiting)
+
+
+def log_compile(engine) -> None:
+    """Once at start-up: how long a compiled engine took to compile its shapes (``/ready`` waited for it)."""
+    if not getattr(engine, "compiled", False):
+        return
+    log.info(
+        "engine compiled in %.1f s: batch buckets %s, node buckets %s",
+        engine.warmup_seconds,
+        ",".join(map(str, engine.batch_buckets)),
+        ",".join(map(str, engine.node_buckets)),
+    )

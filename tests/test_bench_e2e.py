@@ -78,6 +78,27 @@ def test_tiny_bench_writes_every_output_and_passes_the_t0_check(setup, tmp_path,
         f"acceptance_histogram.png to {out}\n"  # fmt: skip
 
 
+def test_compile_runs_every_engine_config_eager_and_compiled_and_checks_both_against_ar(setup, tmp_path):
+    """The one compiling test (two graphs: one batch bucket, one node bucket; about 30 s on 2 cores)."""
+    out = tmp_path / "out"
+    flags = "--methods ar,ddtree,hf --budgets 8 --temperatures 0 --num-prompts 2 --max-new-tokens 8"
+    main(bench_args(setup, out, *flags.split(), "--repeats", "1", "--tree-vocab", "0", "--compile",
+                    "--batch-buckets", "1", "--node-buckets", "17"))  # fmt: skip
+    results = json.loads((out / "results.json").read_text())
+    labels = ["ar", "ar+compiled", "ddtree@8", "ddtree@8+compiled", "hf"]
+    assert [(r["label"], r["compiled"]) for r in results["summary"]] == [(x, "+" in x) for x in labels]
+    assert results["t0_check"]["passed"] and results["t0_check"]["compared"] == 2 * 4  # compiled ones too
+    compiled = results["compile"]
+    assert compiled["enabled"] and compiled["warmup_seconds"] > 0 and compiled["shapes"] == 1
+    assert (
+        compiled["batch_buckets"] == [1] and compiled["node_buckets"] == [17] and results["config"]["compile"]
+    )
+    for row in results["summary"]:
+        assert row["tpot_seconds"] > 0 and (row["compile_speedup"] is not None) == row["compiled"]
+    text = (out / "results.md").read_text()
+    assert "| ddtree@8+compiled | yes |" in text and "warm-up (compile) **" in text
+
+
 def test_a_t0_mismatch_fails_the_run_loudly(setup, tmp_path, capsys, monkeypatch):
     real = runner.run_bench
 

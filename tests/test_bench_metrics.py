@@ -22,8 +22,9 @@ def rec(label="ar", repeat=0, acc=(1,), decode_seconds=1.0, decode_tokens=None, 
     tokens = 1 + sum(acc)
     return {
         "label": label,
-        "method": method or label.split("@")[0],
+        "method": method or label.split("@")[0].removesuffix("+compiled"),
         "budget": budget,
+        "compiled": label.endswith("+compiled"),
         "temperature": temperature,
         "prompt_index": prompt,
         "prompt_id": f"p{prompt}",
@@ -77,12 +78,12 @@ def test_acceptance_histogram_pools_rounds_of_all_responses():
 
 
 def test_stage_breakdown_per_round_fractions_and_overhead():
-    stages = {"draft": 0.25, "tree": 0.125, "compile": 0.0625, "verify": 0.5, "commit": 0.0625}
+    stages = {"draft": 0.25, "tree": 0.125, "inputs": 0.0625, "verify": 0.5, "commit": 0.0625}
     got = stage_breakdown([rec(acc=(2, 2, 2, 2), decode_seconds=1.0, stages=stages)])
     assert got["rounds"] == 4
     assert got["stage_seconds_per_round"] == {**{k: v / 4 for k, v in stages.items()}, "other": 0.0}
     assert got["stage_fractions"]["verify"] == 0.5 and got["stage_fractions"]["other"] == 0.0
-    assert got["overhead_fraction"] == 0.25  # 1 - (draft + verify) = tree + compile + commit + other
+    assert got["overhead_fraction"] == 0.25  # 1 - (draft + verify) = tree + inputs + commit + other
     two = stage_breakdown([rec(acc=(1,), decode_seconds=2.0, stages=dict.fromkeys(stages, 0.25))] * 2)
     assert two["stage_fractions"]["other"] == pytest.approx(0.375)  # (4 - 5 * 0.5) / 4
     assert stage_breakdown([rec("hf", stages=None)]) is None  # HF has no stage timers
@@ -143,3 +144,60 @@ def test_results_md_says_which_budget_the_histogram_shows_and_why():
     best = best_ddtree(rows, 0.0)
     title = _histogram_table([r for r in rows if r["method"] in ("dflash", "ddtree")], best)[1]
     assert best["budget"] == 16 and "ddtree at budget 16: the budget with the highest median speedup" in title
+
+
+def test_compiled_configurations_sit_next_to_their_eager_twins_with_their_compile_gain():
+    from ddtree.bench.report import markdown
+    from ddtree.bench.runner import BenchConfig
+
+    cfg = BenchConfig(("ar", "ddtree", "hf"), (8,), (0.0,), 16, compile=True)
+    assert [(s.label, s.compiled) for s in cfg.specs] == [
+        ("ar", False), ("ar+compiled", True), ("ddtree@8", False), ("ddtree@8+compiled", True), ("hf", False)
+    ]  # fmt: skip
+    records = [
+        rec("ar", acc=(1, 1), decode_seconds=1.0),
+        rec("ar+compiled", acc=(1, 1), decode_seconds=0.5),
+        rec("ddtree@8", method="ddtree", budget=8, acc=(2,), decode_seconds=0.5),
+        rec("ddtree@8+compiled", method="ddtree", budget=8, acc=(2,), decode_seconds=0.25),
+    ]
+    rows = {r["label"]: r for r in summarize(records)}
+    assert rows["ar"]["compiled"] is False and rows["ar"]["compile_speedup"] is None
+    assert rows["ar+compiled"]["compiled"] and rows["ar+compiled"]["compile_speedup"] == 2.0
+    assert rows["ddtree@8+compiled"]["compile_speedup"] == 2.0
+    assert rows["ddtree@8+compiled"]["speedup"] == 4.0  # against eager ar, like every row
+    results = {
+        "config": {"target": "t", "drafter": "d", "num_prompts": 1, "prompts": "p", "max_new_tokens": 16,
+                   "repeats": 1},
+        "machine": {"device": "cpu", "processor": "x", "dtype": "float32", "torch": "2", "torch_threads": 1,
+                    "memory_kind": "rss"},
+        "t0_check": {"compared": 3, "passed": True, "mismatches": []},
+        "compile": {"enabled": True, "warmup_seconds": 31.25, "shapes": 2, "batch_buckets": [1],
+                    "node_buckets": [1, 17]},
+        "summary": list(rows.values()),
+    }  # fmt: skip
+    text = markdown(results)
+    assert "warm-up (compile) **31.2 s** for 2 verify shapes (batch buckets 1, node buckets 1,17)" in text
+    assert "| config | compiled | x eager | tau |" in text
+    assert "| ddtree@8+compiled | yes | 2.00x | 2.00 |" in text and "| ar | no |  | 1.00 |" in text
+
+
+def test_concurrency_check_and_goals_keep_eager_and_compiled_apart():
+    from ddtree.bench.concurrency import goals, greedy_check
+
+    def run(label, c, tps, tokens=((1, 2),), compiled=False):
+        method = label.split("@")[0]
+        return {"label": label + ("+compiled" if compiled else ""), "method": method, "compiled": compiled,
+                "budget": 8 if method == "ddtree" else 0, "temperature": 0.0, "concurrency": c,
+                "tokens_per_second": tps, "token_ids": [list(t) for t in tokens]}  # fmt: skip
+
+    records = [run("ar", 1, 10.0), run("ar", 1, 20.0, compiled=True), run("ddtree@8", 1, 15.0),
+               run("ddtree@8", 1, 60.0, compiled=True)]  # fmt: skip
+    assert greedy_check(records, 1)["passed"]
+    records[-1]["token_ids"] = [[1, 3]]
+    check = greedy_check(records, 1)
+    assert check["mismatches"] == [{"label": "ddtree@8+compiled", "concurrency": 1, "request": 0}]
+    figures = {(g["compiled"], g["what"]): g["ratio"] for g in goals(records)}
+    assert figures == {
+        (False, "best ddtree at c=1 (ddtree@8) / ar at c=1"): 1.5,
+        (True, "compiled engine: best ddtree at c=1 (ddtree@8+compiled) / ar at c=1"): 3.0,
+    }

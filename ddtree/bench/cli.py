@@ -2,8 +2,10 @@
 
 ``register_bench(subparsers)`` adds the subcommand to the main ``ddtree`` parser; ``python -m ddtree.bench``
 runs it on its own. Writes ``results.json``, ``results.md``, ``tau_speedup.png`` and
-``acceptance_histogram.png`` to ``--out``. Exit code 3 when a method's greedy output differs from ``ar``'s
-(the results are written all the same); 2 for a user mistake, like every ``ddtree`` command.
+``acceptance_histogram.png`` to ``--out``. With ``--compile`` every engine configuration runs twice, on the
+default (eager) engine and on one built with ``compile=True`` from the same weights. Exit code 3 when a
+method's greedy output differs from ``ar``'s (the results are written all the same); 2 for a user mistake,
+like every ``ddtree`` command.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from ddtree.argparsing import Parser, add_draft_topk
+from ddtree.argparsing import Parser, add_compile_options, add_draft_topk, check_compile_options
 from ddtree.errors import DDTreeError
 from ddtree.params import parse_budget
 
@@ -25,7 +27,8 @@ Measure tau, TPOT and speedup of ar / dflash / ddtree and HF generate / prompt l
 same prompts, interleaved; writes results.json, results.md and two plots to --out."""
 EXAMPLES = """examples:
   ddtree bench --out runs/bench        # the default grid: about 15 minutes on 2 CPU cores
-  ddtree bench --methods ar,ddtree --budgets 8,16 --num-prompts 4 --repeats 1 --temperatures 0"""
+  ddtree bench --methods ar,ddtree --budgets 8,16 --num-prompts 4 --repeats 1 --temperatures 0
+  ddtree bench --device cuda --compile --methods ar,dflash,ddtree --budgets 16,64 --num-prompts 4"""
 
 
 def _csv(kind: type, what: str):
@@ -75,6 +78,7 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=_csv(int, "--concurrency"), default=None,
                    help="instead of one request at a time: keep C requests in flight in the batched engine, "
                    "for each C of this list (e.g. 1,4,16); reports throughput vs concurrency")  # fmt: skip
+    add_compile_options(p)
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -93,12 +97,75 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
     register_bench_serve(bench.add_subparsers(dest="bench_command", metavar="serve"))
 
 
-def load_engine(args: argparse.Namespace, needs_drafter: bool, max_batch_size: int = 1):
-    """The engine for the flags; the built-in pair when no model directory is given."""
+def compiled_node_buckets(cfg, auto_max_budget: int, drafter) -> list[int]:
+    """The default node ladder up to the largest tree the configurations ask for: ddtree's largest integer
+    budget (``auto_max_budget`` for "auto"), dflash's chain (``block_size - 1`` drafted nodes)."""
+    from ddtree.capture import node_ladder
+    from ddtree.params import AUTO
+
+    deepest = 1
+    if "ddtree" in cfg.methods:
+        deepest = max(auto_max_budget if b == AUTO else b for b in cfg.budgets)
+    if "dflash" in cfg.methods and drafter is not None:
+        deepest = max(deepest, drafter.block_size - 1)
+    return list(node_ladder(deepest))
+
+
+def load_engines(args: argparse.Namespace, cfg, max_batch_size: int = 1):
+    """{False: the default engine, True: the compiled one (``--compile`` only)} on the same weights, the
+    target and drafter directories. The compiled engine's node buckets hold every budget of ``cfg``.
+    Both time their stages (``profile=True``): the runner reads the drafter's first pass."""
+    from ddtree.engine import Engine
+    from ddtree.params import AUTO
+
+    target, tokenizer, drafter, target_dir, drafter_dir = load_models(args, cfg.needs_drafter)
+    method = "ddtree" if drafter is not None else "ar"
+    common = dict(method=method, max_batch_size=max_batch_size, profile=True)
+    engines = {False: Engine(target, drafter, tokenizer, **common)}
+    if args.compile:
+        # Every request names its method and budget; the engine's own are checked against its node
+        # buckets: the largest integer budget (a bucket too small for it fails here, before compiling).
+        ints = [b for b in cfg.budgets if b != AUTO]
+        if "ddtree" in cfg.methods:
+            default = {"method": "ddtree", "budget": max(ints) if ints else AUTO}
+        else:
+            default = {"method": "dflash" if drafter is not None else "ar"}
+        node_buckets = args.node_buckets
+        if node_buckets is None:
+            node_buckets = compiled_node_buckets(cfg, engines[False].auto_max_budget, drafter)
+        engines[True] = Engine(
+            target,
+            drafter,
+            tokenizer,
+            **(common | default),
+            compile=True,
+            batch_buckets=args.batch_buckets,
+            node_buckets=node_buckets,
+        )
+    return engines, target_dir, drafter_dir
+
+
+def compile_info(engines: dict) -> dict:
+    """results.json's ``compile``: whether a compiled engine ran, its shapes and its warm-up seconds."""
+    engine = engines.get(True)
+    if engine is None:
+        return {"enabled": False}
+    return {
+        "enabled": True,
+        "warmup_seconds": engine.warmup_seconds,
+        "batch_buckets": list(engine.batch_buckets),
+        "node_buckets": list(engine.node_buckets),
+        "shapes": len(engine.batch_buckets) * len(engine.node_buckets),
+        "device": str(engine.device),
+    }
+
+
+def load_models(args: argparse.Namespace, needs_drafter: bool):
+    """Target, tokenizer and drafter (None unless needed) for the flags, and their directories; the
+    built-in pair when no model directory is given."""
     import torch
 
-    from ddtree.engine import Engine
-    from ddtree.models import DEFAULT_DRAFTER, DEFAULT_TARGET, check_device
+    from ddtree.models import DEFAULT_DRAFTER, DEFAULT_TARGET, check_device, load_drafter, load_target
 
     if args.target is None and not DEFAULT_TARGET.is_dir():
         raise DDTreeError("the built-in models are not installed; pass --target (and --drafter)")
@@ -110,11 +177,11 @@ def load_engine(args: argparse.Namespace, needs_drafter: bool, max_batch_size: i
         raise DDTreeError("methods dflash and ddtree need --drafter when --target is given")
     device = check_device(args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    method = "ddtree" if drafter is not None else "ar"
-    engine = Engine.from_pretrained(
-        target, drafter, method=method, device=device, dtype=dtype, max_batch_size=max_batch_size
-    )
-    return engine, target, drafter
+    target_model, tokenizer = load_target(target, device=device, dtype=dtype)
+    drafter_model = None
+    if drafter is not None:
+        drafter_model = load_drafter(drafter).to(device=device, dtype=dtype)
+    return target_model, tokenizer, drafter_model, target, drafter
 
 
 def run_bench_command(args: argparse.Namespace) -> None:
@@ -141,6 +208,7 @@ def run_bench_command(args: argparse.Namespace) -> None:
         seed=args.seed,
         warmup=args.warmup,
         pld_tokens=args.pld_tokens,
+        compile=args.compile,
     )
     if args.threads is not None:
         if args.threads < 1:
@@ -152,18 +220,20 @@ def run_bench_command(args: argparse.Namespace) -> None:
     levels = args.concurrency or (1,)
     if min(levels) < 1:
         raise DDTreeError(f"--concurrency levels must be >= 1, got {min(levels)}")
-    engine, target_dir, drafter_dir = load_engine(args, cfg.needs_drafter, max_batch_size=max(levels))
+    check_compile_options(args, max(levels))
+    engines, target_dir, drafter_dir = load_engines(args, cfg, max_batch_size=max(levels))
+    engine = engines[False]
     prompt_ids = encode_prompts(engine, prompts, cfg.max_new_tokens)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.concurrency is not None:
-        run_concurrency_command(args, cfg, engine, prompt_ids)
+        run_concurrency_command(args, cfg, engines, prompt_ids)
         return
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # generate()'s per-call notices would bury the progress bar
     started = time.perf_counter()
     try:
-        records = run_bench(engine, prompts, prompt_ids, cfg, progress=not args.no_progress)
+        records = run_bench(engines, prompts, prompt_ids, cfg, progress=not args.no_progress)
     finally:
         hf_logging.set_verbosity(verbosity)
     check = check_greedy_equality(records)
@@ -183,11 +253,13 @@ def run_bench_command(args: argparse.Namespace) -> None:
             "seed": cfg.seed,
             "topk": cfg.topk,
             "pld_tokens": cfg.pld_tokens if "hf-pld" in cfg.methods else None,
+            "compile": cfg.compile,
             "order": "for each repeat, prompt, temperature: every config back to back, rotated per repeat",
             "argv": sys.argv,
         },
         "machine": machine_info(engine.device, engine.dtype),
         "wall_seconds": time.perf_counter() - started,
+        "compile": compile_info(engines),
         "definitions": DEFINITIONS,
         "prompts": [
             {"index": i, "id": p.id, "prompt_tokens": len(ids)}
@@ -209,8 +281,9 @@ def run_bench_command(args: argparse.Namespace) -> None:
         sys.exit(MISMATCH_EXIT_CODE)
 
 
-def run_concurrency_command(args: argparse.Namespace, cfg, engine, prompt_ids: list[list[int]]) -> None:
-    """``--concurrency``: the throughput sweep; writes results.json, results.md and a plot."""
+def run_concurrency_command(args: argparse.Namespace, cfg, engines, prompt_ids: list[list[int]]) -> None:
+    """``--concurrency``: the throughput sweep; writes results.json, results.md and a plot. ``engines``:
+    {False: eager, True: compiled (``--compile`` only)}."""
     from ddtree.bench.check import MISMATCH_EXIT_CODE
     from ddtree.bench.concurrency import goals, greedy_check, markdown, run_concurrency
     from ddtree.bench.machine import machine_info
@@ -218,7 +291,10 @@ def run_concurrency_command(args: argparse.Namespace, cfg, engine, prompt_ids: l
     from ddtree.bench.report import write_outputs
 
     started = time.perf_counter()
-    records = run_concurrency(engine, prompt_ids, cfg, tuple(args.concurrency), progress=not args.no_progress)
+    engine = engines[False]
+    records = run_concurrency(
+        engines, prompt_ids, cfg, tuple(args.concurrency), progress=not args.no_progress
+    )
     check = greedy_check(records, len(prompt_ids))
     results = {
         "config": {
@@ -231,10 +307,12 @@ def run_concurrency_command(args: argparse.Namespace, cfg, engine, prompt_ids: l
             "max_new_tokens": cfg.max_new_tokens,
             "topk": cfg.topk,
             "seed": cfg.seed,
+            "compile": cfg.compile,
             "argv": sys.argv,
         },
         "machine": machine_info(engine.device, engine.dtype),
         "wall_seconds": time.perf_counter() - started,
+        "compile": compile_info(engines),
         "t0_check": check,
         "goals": goals(records),
         "records": records,

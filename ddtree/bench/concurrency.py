@@ -6,6 +6,9 @@ sees it. Reported per run: total output tokens/s, the mean per-request TPOT (sec
 first and last token over its further tokens), tau, and the mean rows per step. The configurations of one
 level run back to back, so machine drift hits them alike. At T = 0 every request's tokens must equal plain
 decoding's (``ar`` at concurrency 1) for the same prompt: batching never changes an output.
+
+With ``--compile`` every configuration also runs on the compiled engine (label suffix ``+compiled``), right
+after its eager twin; the T = 0 reference stays eager ``ar``, and the goals are computed for each engine.
 """
 
 from __future__ import annotations
@@ -16,15 +19,17 @@ from dataclasses import replace
 
 from tqdm import tqdm
 
-from ddtree.bench.runner import BenchConfig, Spec, seed_for
+from ddtree.bench.runner import BenchConfig, Spec, pick_engine, seed_for
 from ddtree.params import AUTO, SamplingParams
 from ddtree.stats import mean_acceptance_length
 
 
 def run_level(
-    engine, spec: Spec, prompt_ids: list[list[int]], cfg: BenchConfig, temperature: float, concurrency: int
+    engines, spec: Spec, prompt_ids: list[list[int]], cfg: BenchConfig, temperature: float, concurrency: int
 ) -> dict:
-    """One configuration at one level: ``max(2c, prompts)`` requests, c in flight."""
+    """One configuration at one level: ``max(2c, prompts)`` requests, c in flight, on
+    ``pick_engine(engines, spec)``."""
+    engine = pick_engine(engines, spec)
     total = max(2 * concurrency, len(prompt_ids))
     budget = spec.budget if spec.method == "ddtree" else None
     pending = deque(range(total))
@@ -66,6 +71,7 @@ def run_level(
         "label": spec.label,
         "method": spec.method,
         "budget": spec.budget,
+        "compiled": spec.compiled,
         "temperature": temperature,
         "concurrency": concurrency,
         "requests": total,
@@ -80,7 +86,7 @@ def run_level(
 
 
 def run_concurrency(
-    engine,
+    engines,
     prompt_ids: list[list[int]],
     cfg: BenchConfig,
     levels: tuple[int, ...],
@@ -93,14 +99,14 @@ def run_concurrency(
     )
     warm = replace(cfg, max_new_tokens=min(cfg.max_new_tokens, 8))
     for spec in specs:
-        run_level(engine, spec, prompt_ids[:1], warm, cfg.temperatures[0], 1)
+        run_level(engines, spec, prompt_ids[:1], warm, cfg.temperatures[0], 1)
     records = []
     try:
         for temperature in cfg.temperatures:
             for c in levels:
                 for spec in specs:
                     bar.set_postfix_str(f"{spec.label} T={temperature:g} c={c}", refresh=False)
-                    records.append(run_level(engine, spec, prompt_ids, cfg, temperature, c))
+                    records.append(run_level(engines, spec, prompt_ids, cfg, temperature, c))
                     bar.update()
     finally:
         bar.close()
@@ -108,12 +114,15 @@ def run_concurrency(
 
 
 def greedy_check(records: list[dict], num_prompts: int) -> dict:
-    """At T = 0 every request equals ``ar`` at the lowest level for the same prompt."""
+    """At T = 0 every request (compiled ones included) equals eager ``ar`` at the lowest level for the same
+    prompt."""
     greedy = [r for r in records if r["temperature"] == 0]
     if not greedy:
         return {"checked": 0, "mismatches": [], "passed": True}
     base = min(r["concurrency"] for r in greedy)
-    reference = next(r for r in greedy if r["method"] == "ar" and r["concurrency"] == base)["token_ids"]
+    reference = next(
+        r for r in greedy if r["method"] == "ar" and not r.get("compiled") and r["concurrency"] == base
+    )["token_ids"]
     mismatches = []
     for r in greedy:
         for i, ids in enumerate(r["token_ids"]):
@@ -124,7 +133,19 @@ def greedy_check(records: list[dict], num_prompts: int) -> dict:
 
 
 def goals(records: list[dict]) -> list[dict]:
-    """The issue's figures per temperature: batching speedups and ddtree against ar under load."""
+    """The issue's figures per temperature: batching speedups and ddtree against ar under load; for the
+    eager engine, then (``compiled`` true, ``what`` saying so) for the compiled one against itself."""
+    out = []
+    for compiled in (False, True):
+        mine = [r for r in records if bool(r.get("compiled")) == compiled]
+        for goal in _goals(mine):
+            if compiled:
+                goal["what"] = "compiled engine: " + goal["what"]
+            out.append(goal | {"compiled": compiled})
+    return out
+
+
+def _goals(records: list[dict]) -> list[dict]:
     out = []
     for temperature in sorted({r["temperature"] for r in records}):
         rows = [r for r in records if r["temperature"] == temperature]
@@ -206,10 +227,18 @@ def markdown(results: dict) -> str:
         + ("all equal plain decoding." if check["passed"] else f"{len(check['mismatches'])} MISMATCHES."),
         "",
     ]
+    compile_ = results.get("compile") or {}
+    if compile_.get("enabled"):
+        lines += [
+            f"Compiled engine (`+compiled` rows): warm-up (compile) {compile_['warmup_seconds']:.1f} s for "
+            f"{compile_['shapes']} verify shape(s) (batch buckets {compile_['batch_buckets']}, node buckets "
+            f"{compile_['node_buckets']}), outside every timing; ratios are against eager `ar`.",
+            "",
+        ]
     levels = cfg["concurrency"]
     for temperature in cfg["temperatures"]:
         rows = [r for r in results["records"] if r["temperature"] == temperature]
-        ar = {r["concurrency"]: r["tokens_per_second"] for r in rows if r["method"] == "ar"}
+        ar = {r["concurrency"]: r["tokens_per_second"] for r in rows if r["label"] == "ar"}  # eager ar
         lines += [
             f"## T = {temperature:g}: output tokens/s (x ar at the same c) | TPOT ms | tau",
             "",

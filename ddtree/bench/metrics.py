@@ -5,13 +5,14 @@ on hand-built records (``tests/test_bench_metrics.py``) and is spelled out in ``
 into ``results.json`` and ``results.md`` next to the numbers.
 
 A record is one response of one configuration (``label``: ``ar``, ``dflash``, ``ddtree@B``, ``hf``,
-``hf-pld``) to one prompt at one temperature in one repeat. The fields used here:
+``hf-pld``; with ``--compile`` also ``ar+compiled``, ... for the engine built with ``compile=True``,
+``compiled`` true) to one prompt at one temperature in one repeat. The fields used here:
 
   ``acceptance_lengths``  tokens committed by each decode round (accepted drafts + 1); prefill excluded
   ``decode_seconds``      wall time of all decode rounds (the engine's ``GenerationStats.decode_seconds``)
   ``first_draft_seconds`` the drafter's first pass, part of round 1 but counted as prefill (see TPOT)
   ``decode_tokens``       tokens emitted by the decode rounds = output tokens - the one prefill emitted
-  ``stage_seconds``       {draft, tree, compile, verify, commit} summed over the rounds (None for HF)
+  ``stage_seconds``       {draft, tree, inputs, verify, accept, commit} summed over the rounds (None for HF)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter, defaultdict
 
+from ddtree.bench.runner import COMPILED_SUFFIX
 from ddtree.stats import mean_acceptance_length
 
 FORWARD_STAGES = ("draft", "verify")  # the stages that hold the drafter and target forwards
@@ -36,17 +38,22 @@ DEFINITIONS = {
     "(those with decode_tokens > 0). HF baselines: see hf_timing.",
     "speedup": "mean TPOT of 'ar' / mean TPOT of the configuration, both over the same prompts, "
     "temperature and repeat of this run; the reported value is the median over repeats of these "
-    "per-repeat ratios (speedup_per_repeat lists them; speedup_pooled divides the means over all repeats).",
-    "stage_seconds_per_round": "seconds of each engine stage (draft, tree build, compile, verify, commit) "
-    "summed over all rounds of all responses, divided by the number of rounds. 'other' is decode time "
-    "outside the stage timers (loop bookkeeping).",
+    "per-repeat ratios (speedup_per_repeat lists them; speedup_pooled divides the means over all repeats). "
+    "Compiled configurations divide the same eager 'ar' TPOT.",
+    "compiled": "true for a configuration run on the engine built with compile=True (label suffix "
+    "'+compiled'): every round padded to a fixed batch and node bucket and the target and drafter forwards "
+    "torch.compile'd (CUDA graphs on CUDA), all shapes compiled at start-up (compile.warmup_seconds, not "
+    "part of any timing); false for the default (eager) engine.",
+    "compile_speedup": "compiled configurations: mean TPOT of the same configuration on the eager engine / "
+    "mean TPOT on the compiled one, over all repeats (> 1: compiling paid).",
+    "stage_seconds_per_round": "seconds of each engine stage (draft, tree build, inputs = the verify "
+    "batch's tensors, verify, accept, commit) summed over all rounds of all responses, divided by the "
+    "number of rounds. 'other' is decode time outside the stage timers (loop bookkeeping).",
     "stage_fractions": "each stage's seconds (and 'other') / total decode_seconds, over all responses.",
     "overhead_fraction": "share of decode time outside the drafter and target forwards = "
-    "1 - (draft + verify) / decode_seconds. The engine's 'verify' timer covers the target forward AND "
-    "the acceptance step (greedy tree walk or tree rejection sampling), which it cannot split, so this is "
-    "a lower bound on the true overhead: it counts tree + compile + commit + other "
-    "(verify_includes_acceptance says whether that is still so: false once the engine times a separate "
-    "'accept' stage, which then counts as overhead).",
+    "1 - (draft + verify) / decode_seconds: tree + inputs + accept + commit + other. When the engine "
+    "times no separate 'accept' stage (verify_includes_acceptance true), 'verify' also covers the "
+    "acceptance step and this is a lower bound on the true overhead.",
     "acceptance_histogram": "number of rounds that committed k tokens, over all rounds of all responses "
     "of the configuration (pooled); fractions divide by the number of rounds.",
     "peak_memory": "CUDA: max over responses of torch.cuda.max_memory_allocated() (reset before each "
@@ -153,6 +160,10 @@ def summarize(records: list[dict], reference: str = REFERENCE) -> list[dict]:
         per_repeat = speedups(same_t, label, reference)
         ref_tpot = mean_tpot([r for r in same_t if r["label"] == reference])
         my_tpot = mean_tpot(group)
+        compiled = bool(group[0].get("compiled", False))
+        eager_tpot = None
+        if compiled:
+            eager_tpot = mean_tpot([r for r in same_t if r["label"] == label.removesuffix(COMPILED_SUFFIX)])
         histogram = acceptance_histogram(group)
         memory = [r["peak_memory_bytes"] for r in group if r.get("peak_memory_bytes") is not None]
         rows.append(
@@ -161,6 +172,7 @@ def summarize(records: list[dict], reference: str = REFERENCE) -> list[dict]:
                 "label": label,
                 "method": group[0]["method"],
                 "budget": group[0]["budget"],
+                "compiled": compiled,
                 "responses": len(group),
                 "repeats": len({r["repeat"] for r in group}),
                 "output_tokens_mean": sum(len(r["token_ids"]) for r in group) / len(group),
@@ -171,6 +183,7 @@ def summarize(records: list[dict], reference: str = REFERENCE) -> list[dict]:
                 "speedup": median(per_repeat),
                 "speedup_per_repeat": per_repeat,
                 "speedup_pooled": ref_tpot / my_tpot if ref_tpot is not None and my_tpot else None,
+                "compile_speedup": eager_tpot / my_tpot if eager_tpot is not None and my_tpot else None,
                 "acceptance_histogram": histogram,
                 "acceptance_fractions": histogram_fractions(histogram),
                 "stages": stage_breakdown(group),

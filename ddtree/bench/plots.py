@@ -13,6 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot loads)
 
 from ddtree.bench.report import best_ddtree  # noqa: E402
+from ddtree.bench.runner import COMPILED_SUFFIX  # noqa: E402
 from ddtree.params import AUTO  # noqa: E402
 
 _REFERENCE_STYLE = {
@@ -21,6 +22,7 @@ _REFERENCE_STYLE = {
     "hf": ("gray", "-."),
     "hf-pld": ("tab:green", "-."),
 }
+_COMPILED_CURVE = ("tab:purple", "ddtree+compiled")
 
 
 def plot_tau_speedup(rows: list[dict], path: Path) -> None:
@@ -30,20 +32,25 @@ def plot_tau_speedup(rows: list[dict], path: Path) -> None:
     for col, temperature in enumerate(temperatures):
         mine = [r for r in rows if r["temperature"] == temperature]
         fixed = [r for r in mine if r["method"] == "ddtree" and r["budget"] != AUTO]
-        tree = sorted(fixed, key=lambda r: r["budget"])
         for row, (key, name) in enumerate((("tau", "tau (tokens / round)"), ("speedup", "speedup vs ar"))):
             ax = axes[row][col]
-            points = [(r["budget"], r[key]) for r in tree if r[key] is not None]
-            if points:
-                ax.plot(*zip(*points, strict=True), "o-", color="tab:blue", label="ddtree")
-                ax.set_xscale("log", base=2)
-                ax.set_xticks([b for b, _ in points], [str(b) for b, _ in points])
+            for compiled, (color, label) in ((False, ("tab:blue", "ddtree")), (True, _COMPILED_CURVE)):
+                tree = sorted(
+                    (r for r in fixed if bool(r.get("compiled")) == compiled), key=lambda r: r["budget"]
+                )
+                points = [(r["budget"], r[key]) for r in tree if r[key] is not None]
+                if points:
+                    ax.plot(*zip(*points, strict=True), "o-", color=color, label=label)
+                    ax.set_xscale("log", base=2)
+                    ax.set_xticks([b for b, _ in points], [str(b) for b, _ in points])
             # Reference lines often coincide (hf's tau is ar's 1.0; dflash's speedup can sit on ar's):
             # each is drawn thinner than the one before, so coinciding lines show as nested stripes,
             # and the legend gives every value.
             references = [r for r in mine if r not in fixed and r[key] is not None]
             for i, r in enumerate(references):
-                color, style = _REFERENCE_STYLE.get(r["label"], ("gray", "--"))
+                color, style = _REFERENCE_STYLE.get(r["label"].removesuffix(COMPILED_SUFFIX), ("gray", "--"))
+                if r.get("compiled"):  # its eager twin's colour, the other dash
+                    style = "--" if style == ":" else ":"
                 width = 1.2 + 1.2 * (len(references) - 1 - i)
                 ax.axhline(
                     r[key], color=color, linestyle=style, linewidth=width, label=f"{r['label']} {r[key]:.2f}"

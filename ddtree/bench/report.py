@@ -53,6 +53,7 @@ def markdown(results: dict) -> str:
         f"{machine['torch_threads']} torch threads.",
         "",
         _check_line(results["t0_check"]),
+        *compile_lines(results.get("compile")),
     ]
     for temperature in dict.fromkeys(r["temperature"] for r in rows):
         mine = [r for r in rows if r["temperature"] == temperature]
@@ -66,6 +67,27 @@ def markdown(results: dict) -> str:
     out += ["", "## Definitions", ""]
     out += [f"- **{name}**: {text}" for name, text in DEFINITIONS.items()]
     return "\n".join(out) + "\n"
+
+
+def compile_lines(compile_: dict | None) -> list[str]:
+    """With ``--compile``: which shapes the compiled engine holds and what compiling them cost."""
+    if not compile_ or not compile_.get("enabled"):
+        return []
+    return [
+        "",
+        f"Compiled engine (`+compiled` rows, `compile=True`): warm-up (compile) "
+        f"**{compile_['warmup_seconds']:.1f} s** for {_shapes(compile_['shapes'])} (batch buckets "
+        f"{_csv(compile_['batch_buckets'])}, node buckets {_csv(compile_['node_buckets'])}), before the "
+        "run and outside every timing. Eager rows run the default engine on the same weights.",
+    ]
+
+
+def _shapes(n: int) -> str:
+    return f"{n} verify shape" + ("" if n == 1 else "s")
+
+
+def _csv(values) -> str:
+    return ",".join(map(str, values))
 
 
 def _check_line(check: dict) -> str:
@@ -82,16 +104,22 @@ def _check_line(check: dict) -> str:
 
 def _main_table(rows: list[dict], memory_kind: str) -> list[str]:
     memory = "peak MiB" if memory_kind == "cuda_max_allocated" else "process peak RSS MiB"
+    compiled = any(r.get("compiled") for r in rows)
+    extra_head, extra_rule = (" compiled | x eager |", "---|--:|") if compiled else ("", "")
     out = [
-        "| config | tau | TPOT ms | tokens/s | speedup (median) | per-repeat speedups | prefill ms "
-        f"| output tokens | {memory} |",
-        "|---|--:|--:|--:|--:|---|--:|--:|--:|",
+        f"| config |{extra_head} tau | TPOT ms | tokens/s | speedup (median) | per-repeat speedups "
+        f"| prefill ms | output tokens | {memory} |",
+        f"|---|{extra_rule}--:|--:|--:|--:|---|--:|--:|--:|",
     ]
     for r in rows:
         tpot_ms = r["tpot_seconds"] * 1e3 if r["tpot_seconds"] is not None else None
         repeats = ", ".join(f"{s:.2f}" for s in r["speedup_per_repeat"])
+        extra = ""
+        if compiled:
+            gain = r.get("compile_speedup")
+            extra = f" {'yes' if r.get('compiled') else 'no'} | {'' if gain is None else f'{gain:.2f}x'} |"
         out.append(
-            f"| {r['label']} | {_f(r['tau'], '.2f')} | {_f(tpot_ms, '.2f')} "
+            f"| {r['label']} |{extra} {_f(r['tau'], '.2f')} | {_f(tpot_ms, '.2f')} "
             f"| {_f(r['tokens_per_second'], '.1f')} | {_f(r['speedup'], '.2f')}x | {repeats} "
             f"| {r['prefill_seconds_mean'] * 1e3:.1f} | {r['output_tokens_mean']:.1f} "
             f"| {_mib(r['peak_memory_bytes'])} |"

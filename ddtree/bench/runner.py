@@ -4,6 +4,9 @@ Why interleaved: on a shared machine the speed drifts (thermal state, other jobs
 in the background). Running all configurations of one prompt back to back, and rotating their order
 each repeat, spreads that drift over all of them instead of charging it to whichever ran last. The seed
 depends only on (prompt, repeat), so every method sees the same seed, and sampled runs repeat exactly.
+
+With ``--compile`` every engine configuration also runs on a second engine built with ``compile=True``
+from the same weights (``Spec.compiled``; label suffix ``+compiled``), right after its eager twin.
 """
 
 from __future__ import annotations
@@ -22,18 +25,30 @@ from ddtree.params import METHODS, SamplingParams, check_speculative_options
 ENGINE_METHODS = METHODS
 HF_METHODS = ("hf", "hf-pld")
 ALL_METHODS = ENGINE_METHODS + HF_METHODS
+COMPILED_SUFFIX = "+compiled"
 
 
 @dataclass(frozen=True)
 class Spec:
-    """One configuration: a method and, for ``ddtree``, a budget."""
+    """One configuration: a method, for ``ddtree`` a budget, and which engine runs it (eager or compiled)."""
 
     method: str
     budget: int = 0
+    compiled: bool = False
+
+    @property
+    def base_label(self) -> str:
+        """The label of the configuration, whichever engine runs it."""
+        return f"ddtree@{self.budget}" if self.method == "ddtree" else self.method
 
     @property
     def label(self) -> str:
-        return f"ddtree@{self.budget}" if self.method == "ddtree" else self.method
+        return self.base_label + (COMPILED_SUFFIX if self.compiled else "")
+
+
+def pick_engine(engines, spec: Spec):
+    """The engine of ``spec``: ``engines`` is one engine, or {False: eager, True: compiled}."""
+    return engines[spec.compiled] if isinstance(engines, dict) else engines
 
 
 @dataclass(frozen=True)
@@ -47,6 +62,7 @@ class BenchConfig:
     seed: int = 0
     warmup: int = 1
     pld_tokens: int = 10
+    compile: bool = False  # also run every engine configuration on the compiled engine
 
     def __post_init__(self) -> None:
         bad = [m for m in self.methods if m not in ALL_METHODS]
@@ -74,9 +90,13 @@ class BenchConfig:
 
     @property
     def specs(self) -> list[Spec]:
+        """Every configuration; with ``compile``, each engine one followed by its compiled twin."""
         out = []
         for m in self.methods:
-            out += [Spec(m, b) for b in self.budgets] if m == "ddtree" else [Spec(m)]
+            for spec in [Spec(m, b) for b in self.budgets] if m == "ddtree" else [Spec(m)]:
+                out.append(spec)
+                if self.compile and m in ENGINE_METHODS:
+                    out.append(Spec(spec.method, spec.budget, compiled=True))
         return out
 
     @property
@@ -103,13 +123,14 @@ def encode_prompts(engine, prompts: list[Prompt], max_new_tokens: int) -> list[l
     return out
 
 
-def run_one(engine, spec: Spec, prompt_ids: list[int], params: SamplingParams, cfg: BenchConfig) -> dict:
-    """One response of one configuration: its tokens and what it cost.
+def run_one(engines, spec: Spec, prompt_ids: list[int], params: SamplingParams, cfg: BenchConfig) -> dict:
+    """One response of one configuration (on ``pick_engine(engines, spec)``): its tokens and what it cost.
 
     The garbage collector runs between responses, never inside one: a collection pause would be charged
     to whichever method happened to trigger it. (``run_bench`` freezes the models' objects, so these
     collections only walk what the previous response left behind.)
     """
+    engine = pick_engine(engines, spec)
     gc.collect()
     reset_peak_memory(engine.device)
     gc.disable()
@@ -152,9 +173,10 @@ def _engine_generate(engine, spec: Spec, prompt_ids: list[int], params: Sampling
 
 
 def run_bench(
-    engine, prompts: list[Prompt], prompt_ids: list[list[int]], cfg: BenchConfig, progress: bool = True
+    engines, prompts: list[Prompt], prompt_ids: list[list[int]], cfg: BenchConfig, progress: bool = True
 ) -> list[dict]:
-    """All timed records. Order: repeat > prompt > temperature > configurations (rotated per repeat)."""
+    """All timed records. Order: repeat > prompt > temperature > configurations (rotated per repeat).
+    ``engines``: one engine, or {False: eager, True: compiled} when ``cfg.compile``."""
     specs = cfg.specs
     warm = min(cfg.warmup, len(prompts))
     total = (cfg.repeats * len(prompts) + warm) * len(cfg.temperatures) * len(specs)
@@ -165,7 +187,7 @@ def run_bench(
         params = SamplingParams(
             temperature=temperature, seed=seed_for(cfg.seed, i, repeat), max_new_tokens=cfg.max_new_tokens
         )
-        record = run_one(engine, spec, prompt_ids[i], params, cfg)
+        record = run_one(engines, spec, prompt_ids[i], params, cfg)
         bar.update()
         return record
 
@@ -189,6 +211,7 @@ def run_bench(
                                 "label": spec.label,
                                 "method": spec.method,
                                 "budget": spec.budget,
+                                "compiled": spec.compiled,
                                 "temperature": temperature,
                                 "prompt_index": i,
                                 "prompt_id": prompt.id,

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One command for a CUDA machine: compiled (CUDA-graph) decoding must stay lossless, and how fast it is.
+#
+#   scripts/accelerator_check.sh            # results in $OUT, or runs/accelerator when OUT is unset
+#
+# Installs nothing: run it where the repository's environment is installed (an activated venv, or
+# .venv/ in the checkout, which it activates). Steps, each under its own `timeout`, sized so the whole
+# check ends in under 8 minutes on one H200:
+#   1. the greedy-equality and lossless-sampling tests, on CUDA with Engine(compile=True)
+#      (DDTREE_TEST_DEVICE=cuda DDTREE_TEST_COMPILE=1);
+#   2. a short `ddtree bench --compile`: ar / dflash / ddtree at budgets 8-256, T = 0 and 1, 4 prompts,
+#      eager and compiled side by side (results.json, results.md, plots).
+# Exit code: 0 when every step passed; 2 without CUDA; else the first failing step's code (3: the bench's
+# T = 0 check found a compiled or speculative output differing from plain decoding; 124: a timeout).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+if [[ -z "${VIRTUAL_ENV:-}" && -f .venv/bin/activate ]]; then
+    # shellcheck disable=SC1091
+    . .venv/bin/activate
+fi
+PYTHON="${PYTHON:-python}"
+OUT_DIR="${OUT:-runs/accelerator}"
+TEST_TIMEOUT="${TEST_TIMEOUT:-270}"   # seconds for step 1
+BENCH_TIMEOUT="${BENCH_TIMEOUT:-180}" # seconds for step 2
+# Node buckets: exactly the tree sizes the bench asks for (ar 1, budget B: B + 1, dflash: 17 with the
+# built-in block of 16), so the compiled engine captures 5 verify shapes instead of the 10 of the ladder.
+NODE_BUCKETS="${NODE_BUCKETS:-1,9,17,65,257}"
+
+if ! "$PYTHON" -c "import torch; assert torch.cuda.is_available()" >/dev/null 2>&1; then
+    echo "accelerator_check: no CUDA device visible to $PYTHON (torch.cuda.is_available() is false); nothing run" >&2
+    exit 2
+fi
+mkdir -p "$OUT_DIR"
+status=0
+started=$SECONDS
+"$PYTHON" -c "import torch; print('accelerator_check:', torch.cuda.get_device_name(0), 'torch', torch.__version__)"
+
+echo "accelerator_check: [1/2] lossless tests on CUDA with compile (timeout ${TEST_TIMEOUT}s) -> $OUT_DIR/tests.log"
+if DDTREE_TEST_DEVICE=cuda DDTREE_TEST_COMPILE=1 timeout "$TEST_TIMEOUT" \
+    "$PYTHON" -m pytest -q -x tests/test_capture.py tests/test_sampling_lossless.py tests/test_engine_greedy.py \
+    >"$OUT_DIR/tests.log" 2>&1; then
+    echo "accelerator_check: tests passed: $(tail -n 1 "$OUT_DIR/tests.log")"
+else
+    code=$?
+    [[ $status -eq 0 ]] && status=$code
+    echo "accelerator_check: tests FAILED (exit $code); last lines of $OUT_DIR/tests.log:" >&2
+    tail -n 30 "$OUT_DIR/tests.log" >&2
+fi
+
+echo "accelerator_check: [2/2] bench, eager vs compiled (timeout ${BENCH_TIMEOUT}s) -> $OUT_DIR/bench.log"
+if timeout "$BENCH_TIMEOUT" "$PYTHON" -m ddtree bench --device cuda --compile --node-buckets "$NODE_BUCKETS" \
+    --methods ar,dflash,ddtree --budgets 8,16,64,256 --temperatures 0,1 --num-prompts 4 \
+    --max-new-tokens 64 --repeats 1 --tree-vocab 0 --no-progress --out "$OUT_DIR" \
+    >"$OUT_DIR/bench.log" 2>&1; then
+    echo "accelerator_check: bench passed (T = 0 outputs equal plain decoding)"
+else
+    code=$?
+    [[ $status -eq 0 ]] && status=$code
+    echo "accelerator_check: bench FAILED (exit $code); last lines of $OUT_DIR/bench.log:" >&2
+    tail -n 30 "$OUT_DIR/bench.log" >&2
+fi
+
+echo "accelerator_check: done in $((SECONDS - started)) s, exit $status; results in $OUT_DIR:"
+for name in results.json results.md tests.log bench.log; do
+    [[ -e "$OUT_DIR/$name" ]] && echo "  $OUT_DIR/$name"
+done
+exit "$status"

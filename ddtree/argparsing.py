@@ -79,6 +79,14 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
         help="with --compile: the tree sizes to compile (root included), comma-separated; the "
         "largest must hold the budget plus one (default: 1, 2, 3, 5, 9, 17, ... up to it)",
     )
+    p.add_argument(
+        "--span-buckets",
+        type=int_list("--span-buckets"),
+        default=None,
+        metavar="S1,S2,...",
+        help="with --compile: cache columns attention may read, comma-separated; the whole row is always "
+        "one (the default: only it); on a CPU, a few smaller spans make short rows read less",
+    )
 
 
 def check_compile_options(args: argparse.Namespace, max_batch_size: int) -> None:
@@ -86,7 +94,7 @@ def check_compile_options(args: argparse.Namespace, max_batch_size: int) -> None
     from ddtree.capture import check_buckets
 
     if not args.compile:
-        for flag in ("batch_buckets", "node_buckets"):
+        for flag in ("batch_buckets", "node_buckets", "span_buckets"):
             if getattr(args, flag) is not None:
                 raise DDTreeError(f"--{flag.replace('_', '-')} needs --compile")
         return
@@ -97,3 +105,4 @@ def check_compile_options(args: argparse.Namespace, max_batch_size: int) -> None
             f"got {batch[-1]}"
         )
     check_buckets("--node-buckets", args.node_buckets)
+    check_buckets("--span-buckets", args.span_buckets)

@@ -150,7 +150,12 @@ def engine_from_args(args: argparse.Namespace):
         raise DDTreeError("the built-in models are not installed; pass --target (and --drafter)")
     compiled = {}
     if args.compile:
-        compiled = {"compile": True, "batch_buckets": args.batch_buckets, "node_buckets": args.node_buckets}
+        compiled = {
+            "compile": True,
+            "batch_buckets": args.batch_buckets,
+            "node_buckets": args.node_buckets,
+            "span_buckets": args.span_buckets,
+        }
     return Engine.from_pretrained(
         target,
         drafter,

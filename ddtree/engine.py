@@ -254,6 +254,7 @@ class Engine:
         fixed_shapes: bool | None = None,
         batch_buckets: list[int] | None = None,
         node_buckets: list[int] | None = None,
+        span_buckets: list[int] | None = None,
         profile: bool = False,
     ) -> None:
         self.target = target.eval()
@@ -323,7 +324,7 @@ class Engine:
                 self.device,
             )
         self.profile = profile  # time every stage (waits for the device at each stage boundary)
-        self._setup_shapes(compile, fixed_shapes, batch_buckets, node_buckets)
+        self._setup_shapes(compile, fixed_shapes, batch_buckets, node_buckets, span_buckets)
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # index = target cache row
         self._drafting: list[Request] = []  # index = drafter cache row
@@ -361,8 +362,13 @@ class Engine:
         fixed_shapes: bool | None,
         batch_buckets: list[int] | None,
         node_buckets: list[int] | None,
+        span_buckets: list[int] | None,
     ) -> None:
-        """Choose the shapes every round is padded to and, with ``compile``, compile and capture them all."""
+        """Choose the shapes every round is padded to and, with ``compile``, compile and capture them all.
+
+        Attention reads a span bucket of leading cache columns: by default the whole row (one graph per
+        batch and node bucket); more buckets make short rows read less (the CPU, long contexts) at the
+        price of more graphs."""
         self.fixed_shapes = compile if fixed_shapes is None else bool(fixed_shapes)
         if compile and not self.fixed_shapes:
             raise DDTreeError("compile=True needs fixed shapes (fixed_shapes=False was given)")
@@ -373,8 +379,8 @@ class Engine:
         self._verify_forward = self._verify_forward_eager
         self._draft_forward = self._draft_forward_eager
         if not self.fixed_shapes:
-            if batch_buckets is not None or node_buckets is not None:
-                raise DDTreeError("batch_buckets and node_buckets need fixed shapes (compile=True)")
+            if batch_buckets is not None or node_buckets is not None or span_buckets is not None:
+                raise DDTreeError("batch, node and span buckets need fixed shapes (compile=True)")
             return
         deepest = self.budget if self.budget != AUTO else self.auto_max_budget
         if self.drafter is not None:
@@ -388,10 +394,13 @@ class Engine:
             )
         self.node_buckets = check_buckets("node_buckets", node_buckets) or node_ladder(deepest)
         self.max_drafted = self.node_buckets[-1] - 1
+        whole = self.cache.capacity + 1  # the last span bucket is always the whole row
+        spans = check_buckets("span_buckets", span_buckets, whole) or ()
+        self.span_buckets = tuple(sorted({*spans, whole}))
         if self.budget != AUTO and self.method == "ddtree":
             self._check_captured_budget(self.budget)
         if compile:
-            shapes = len(self.batch_buckets) * len(self.node_buckets)
+            shapes = len(self.batch_buckets) * len(self.node_buckets) * len(self.span_buckets)
             caches = [self.cache] + ([self.draft_cache] if self.draft_cache is not None else [])
             if self.device.type == "cuda":
                 mark_static([buf for c in caches for buf in (*c.keys, *c.values)])
@@ -412,16 +421,17 @@ class Engine:
         t = time.perf_counter()
         replays = 3 if self.device.type == "cuda" else 1  # CUDA graph trees record on the second call
         with torch.inference_mode():
-            for b in self.batch_buckets:
+            for b, span in itertools.product(self.batch_buckets, self.span_buckets):
                 for n in self.node_buckets:
-                    batch = self._verify_inputs([], [], shape=(b, n))
+                    batch = self._verify_inputs([], [], shape=(b, n, span))
                     for _ in range(replays):
                         self._verify_forward(
                             batch.ids, batch.positions, batch.cols, batch.starts, batch.anc, batch.span
                         )
                 if self.drafter is not None:
+                    bs = self.drafter.block_size
                     for _ in range(replays):
-                        self._draft_pass([None] * b, b, self.drafter.block_size, slice(0, b), fixed=True)
+                        self._draft_pass([None] * b, b, bs, slice(0, b), True, self._draft_span(span + bs))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.warmup_seconds += time.perf_counter() - t
@@ -842,7 +852,13 @@ class Engine:
         return {r.request_id: logits[i, : depths[i]] for i, r in enumerate(rows)}
 
     def _draft_pass(
-        self, slots: list[Request | None], b: int, c: int, where: slice | torch.Tensor, fixed: bool
+        self,
+        slots: list[Request | None],
+        b: int,
+        c: int,
+        where: slice | torch.Tensor,
+        fixed: bool,
+        span: int | None = None,
     ) -> torch.Tensor:
         """One drafter forward over ``b`` cache rows (``fixed``: a captured shape, reading whole rows).
 
@@ -877,7 +893,7 @@ class Engine:
             block_cols[i] = r.draft_len + np.arange(bs)  # after the consumed context
             ends[i] = r.draft_len + bs
         if fixed:
-            span = self.draft_cache.capacity + 1
+            span = span or self._draft_span(int(ends.max()))
             put = self._inputs.put
             inputs = (
                 put("block", block),
@@ -903,6 +919,14 @@ class Engine:
                 )
             )
         return (self._draft_forward if fixed else self._draft_forward_eager)(*inputs, where, span)
+
+    def _draft_span(self, needed: int) -> int:
+        """The drafter's span bucket for ``needed`` columns: a verify span bucket (its context) plus the
+        S columns of the block after it, within the drafter's row."""
+        whole = self.draft_cache.capacity + 1
+        return min(
+            pick(self.span_buckets, max(needed - self.drafter.block_size, 1)) + self.drafter.block_size, whole
+        )
 
     def _room(self, r: Request) -> int:
         """Tree nodes row r can still hold: its cache columns from ``start`` to the capacity."""
@@ -1007,24 +1031,21 @@ class Engine:
             self.cost.verify.observe(tokens, self._now() - t)
 
     def _verify_inputs(
-        self, rows: list[Request], trees: list[DraftTree], shape: tuple[int, int] | None = None
+        self, rows: list[Request], trees: list[DraftTree], shape: tuple[int, int, int] | None = None
     ) -> VerifyBatch:
         """Every row's tree as one padded batch: to the widest tree, or with fixed shapes to the buckets
-        that hold the batch (``shape`` forces one, for the warm-up)."""
+        that hold the batch (``shape`` = rows, nodes, span forces one, for the warm-up)."""
         sizes = [t.num_nodes for t in trees]
         b, n = len(rows), max(sizes, default=1)
         starts = np.array([r.start for r in rows], dtype=np.int64)  # [B]
+        needed = int(max((s + m for s, m in zip(starts, sizes, strict=True)), default=1))
         if shape is not None:
-            bp, np_ = shape
+            bp, np_, span = shape
         elif self.fixed_shapes:
             bp, np_ = pick(self.batch_buckets, b), pick(self.node_buckets, n)
+            span = pick(self.span_buckets, needed)
         else:
-            bp, np_ = b, n
-        span = (
-            self.cache.capacity + 1
-            if self.fixed_shapes
-            else int(max(s + m for s, m in zip(starts, sizes, strict=True)))
-        )
+            bp, np_, span = b, n, needed
         all_starts = np.ones(bp, dtype=np.int64)  # a dummy row sees column 0 (a masked-out row is NaN)
         all_starts[:b] = starts
         ids = np.zeros((bp, np_), dtype=np.int64)

@@ -172,11 +172,12 @@ def test_compiled_configurations_sit_next_to_their_eager_twins_with_their_compil
                     "memory_kind": "rss"},
         "t0_check": {"compared": 3, "passed": True, "mismatches": []},
         "compile": {"enabled": True, "warmup_seconds": 31.25, "shapes": 2, "batch_buckets": [1],
-                    "node_buckets": [1, 17]},
+                    "node_buckets": [1, 17], "span_buckets": [2049]},
         "summary": list(rows.values()),
     }  # fmt: skip
     text = markdown(results)
-    assert "warm-up (compile) **31.2 s** for 2 verify shapes (batch buckets 1, node buckets 1,17)" in text
+    shapes = "2 verify shapes (batch buckets 1, node buckets 1,17, span buckets 2049)"
+    assert f"warm-up (compile) **31.2 s** for {shapes}" in text
     assert "| config | compiled | x eager | tau |" in text
     assert "| ddtree@8+compiled | yes | 2.00x | 2.00 |" in text and "| ar | no |  | 1.00 |" in text
 

@@ -100,6 +100,8 @@ def test_bucket_options_are_checked_before_anything_runs(eager: Engine):
         Engine(target, drafter, max_batch_size=4, fixed_shapes=True, batch_buckets=[0, 4])
     with pytest.raises(DDTreeError, match="need fixed shapes"):
         Engine(target, drafter, node_buckets=[5])
+    with pytest.raises(DDTreeError, match="span_buckets may not exceed"):
+        Engine(target, drafter, max_model_len=64, fixed_shapes=True, span_buckets=[16, 100])
     with pytest.raises(DDTreeError, match="compile=True needs fixed shapes"):
         Engine(target, drafter, compile=True, fixed_shapes=False)
     with pytest.raises(DDTreeError, match="largest node bucket"):
@@ -111,7 +113,8 @@ def test_bucket_options_are_checked_before_anything_runs(eager: Engine):
 
 
 def test_padded_rows_and_nodes_change_no_output(eager: Engine):
-    """Buckets of 3 and 4 rows and 4, 7, 13, 17 nodes: dummy rows, dummy nodes and every tree size padded."""
+    """Buckets of 3 and 4 rows, 4, 7, 13, 17 nodes and 24, 48 or all 257 columns read: dummy rows, dummy
+    nodes, every tree size padded, rows growing from one span bucket into the next."""
     padded = Engine(
         eager.target,
         eager.drafter,
@@ -122,6 +125,7 @@ def test_padded_rows_and_nodes_change_no_output(eager: Engine):
         fixed_shapes=True,
         batch_buckets=[3, 4],
         node_buckets=[4, 7, 13, 17],
+        span_buckets=[24, 48],
     )
     shapes = []
     verify = padded._verify_forward
@@ -135,7 +139,8 @@ def test_padded_rows_and_nodes_change_no_output(eager: Engine):
     specs = requests(new=40)
     assert run(padded, specs) == run(eager, specs)
     assert {s[0] for s in shapes} <= {(b, n) for b in (3, 4) for n in (4, 7, 13, 17)}
-    assert {s[1] for s in shapes} == {padded.cache.capacity + 1}  # whole rows, whatever the lengths
+    spans = {s[1] for s in shapes}
+    assert spans <= {24, 48, padded.cache.capacity + 1} and len(spans) >= 2  # rows grew into wider spans
     assert any(rows < shape[0] for shape, _, rows, _ in shapes)  # dummy rows
     assert any(widest < shape[1] for shape, _, _, widest in shapes)  # dummy nodes
 

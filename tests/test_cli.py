@@ -315,6 +315,8 @@ def test_compile_flags_parse_for_generate_serve_and_bench():
         (["serve", "--port", "0", "--compile", "--max-batch-size", "8", "--batch-buckets", "1,4"],
          ["largest of --batch-buckets must be the maximum batch size (8)"]),
         (["serve", "--port", "0", "--batch-buckets", "16"], ["--batch-buckets needs --compile"]),
+        (["generate", "def", "--span-buckets", "256"], ["--span-buckets needs --compile"]),
+        (["generate", "def", "--compile", "--span-buckets", "-1"], ["--span-buckets must be", ">= 1"]),
         (["bench", "--batch-buckets", "1", "--num-prompts", "1"], ["--batch-buckets needs --compile"]),
         (["bench", "--compile", "--concurrency", "1,4", "--batch-buckets", "1,2", "--num-prompts", "1"],
          ["largest of --batch-buckets must be the maximum batch size (4)"]),

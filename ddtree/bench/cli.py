@@ -141,6 +141,7 @@ def load_engines(args: argparse.Namespace, cfg, max_batch_size: int = 1):
             compile=True,
             batch_buckets=args.batch_buckets,
             node_buckets=node_buckets,
+            span_buckets=args.span_buckets,
         )
     return engines, target_dir, drafter_dir
 
@@ -155,7 +156,8 @@ def compile_info(engines: dict) -> dict:
         "warmup_seconds": engine.warmup_seconds,
         "batch_buckets": list(engine.batch_buckets),
         "node_buckets": list(engine.node_buckets),
-        "shapes": len(engine.batch_buckets) * len(engine.node_buckets),
+        "span_buckets": list(engine.span_buckets),
+        "shapes": len(engine.batch_buckets) * len(engine.node_buckets) * len(engine.span_buckets),
         "device": str(engine.device),
     }
 

@@ -232,7 +232,8 @@ def markdown(results: dict) -> str:
         lines += [
             f"Compiled engine (`+compiled` rows): warm-up (compile) {compile_['warmup_seconds']:.1f} s for "
             f"{compile_['shapes']} verify shape(s) (batch buckets {compile_['batch_buckets']}, node buckets "
-            f"{compile_['node_buckets']}), outside every timing; ratios are against eager `ar`.",
+            f"{compile_['node_buckets']}, span buckets {compile_['span_buckets']}), outside every timing; "
+            "ratios are against eager `ar`.",
             "",
         ]
     levels = cfg["concurrency"]

@@ -77,7 +77,8 @@ def compile_lines(compile_: dict | None) -> list[str]:
         "",
         f"Compiled engine (`+compiled` rows, `compile=True`): warm-up (compile) "
         f"**{compile_['warmup_seconds']:.1f} s** for {_shapes(compile_['shapes'])} (batch buckets "
-        f"{_csv(compile_['batch_buckets'])}, node buckets {_csv(compile_['node_buckets'])}), before the "
+        f"{_csv(compile_['batch_buckets'])}, node buckets {_csv(compile_['node_buckets'])}, span buckets "
+        f"{_csv(compile_['span_buckets'])}), before the "
         "run and outside every timing. Eager rows run the default engine on the same weights.",
     ]
 

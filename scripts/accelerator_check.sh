@@ -6,8 +6,9 @@
 # Installs nothing: run it where the repository's environment is installed (an activated venv, or
 # .venv/ in the checkout, which it activates). Steps, each under its own `timeout`, sized so the whole
 # check ends in under 8 minutes on one H200:
-#   1. the greedy-equality and lossless-sampling tests, on CUDA with Engine(compile=True)
-#      (DDTREE_TEST_DEVICE=cuda DDTREE_TEST_COMPILE=1);
+#   1. the compiled-decoding tests on CUDA (DDTREE_TEST_DEVICE=cuda): padding changes no output, 50+
+#      compiled rounds never recompile and equal eager (greedy and seeded sampling), and the lossless
+#      G-test / chi-square on samples drawn through CUDA graphs;
 #   2. a short `ddtree bench --compile`: ar / dflash / ddtree at budgets 8-256, T = 0 and 1, 4 prompts,
 #      eager and compiled side by side (results.json, results.md, plots).
 # Exit code: 0 when every step passed; 2 without CUDA; else the first failing step's code (3: the bench's
@@ -21,8 +22,8 @@ if [[ -z "${VIRTUAL_ENV:-}" && -f .venv/bin/activate ]]; then
 fi
 PYTHON="${PYTHON:-python}"
 OUT_DIR="${OUT:-runs/accelerator}"
-TEST_TIMEOUT="${TEST_TIMEOUT:-270}"   # seconds for step 1
-BENCH_TIMEOUT="${BENCH_TIMEOUT:-180}" # seconds for step 2
+TEST_TIMEOUT="${TEST_TIMEOUT:-240}"   # seconds for step 1
+BENCH_TIMEOUT="${BENCH_TIMEOUT:-210}" # seconds for step 2
 # Node buckets: exactly the tree sizes the bench asks for (ar 1, budget B: B + 1, dflash: 17 with the
 # built-in block of 16), so the compiled engine captures 5 verify shapes instead of the 10 of the ladder.
 NODE_BUCKETS="${NODE_BUCKETS:-1,9,17,65,257}"
@@ -36,9 +37,9 @@ status=0
 started=$SECONDS
 "$PYTHON" -c "import torch; print('accelerator_check:', torch.cuda.get_device_name(0), 'torch', torch.__version__)"
 
-echo "accelerator_check: [1/2] lossless tests on CUDA with compile (timeout ${TEST_TIMEOUT}s) -> $OUT_DIR/tests.log"
-if DDTREE_TEST_DEVICE=cuda DDTREE_TEST_COMPILE=1 timeout "$TEST_TIMEOUT" \
-    "$PYTHON" -m pytest -q -x tests/test_capture.py tests/test_sampling_lossless.py tests/test_engine_greedy.py \
+echo "accelerator_check: [1/2] compiled-decoding tests on CUDA (timeout ${TEST_TIMEOUT}s) -> $OUT_DIR/tests.log"
+if DDTREE_TEST_DEVICE=cuda timeout "$TEST_TIMEOUT" "$PYTHON" -m pytest -q -x -rP tests/test_capture.py \
+    "tests/test_sampling_lossless.py::test_compiled_samples_follow_target_distribution" \
     >"$OUT_DIR/tests.log" 2>&1; then
     echo "accelerator_check: tests passed: $(tail -n 1 "$OUT_DIR/tests.log")"
 else

@@ -12,7 +12,9 @@ so the check covers the batched round (padding, per-row parameters and generator
 
 from __future__ import annotations
 
+import copy
 import itertools
+import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -132,7 +134,7 @@ def exact_law(target: Qwen3ForCausalLM, params: SamplingParams) -> np.ndarray:
     ]  # [V^depth, P + depth] each
     law = torch.ones(1, dtype=torch.float64)
     for ids in prefixes:
-        logits = target(input_ids=ids).logits[:, -1]  # [V^depth, V]
+        logits = target(input_ids=ids.to(target.device)).logits[:, -1].cpu()  # [V^depth, V]
         assert_filters_have_margin(logits, params)
         law = (law[:, None] * hf_probs(logits, params)).flatten()  # [V^(depth + 1)]
     return (law / law.sum()).numpy()
@@ -273,6 +275,17 @@ def test_fit_accepts_direct_draws_from_the_law_and_rejects_impossible_ones(real_
 
 def test_ddtree_samples_follow_target_distribution(real_models):
     draws, chi2_p, g_p = sample_and_fit(real_models, "ddtree", "T=1", N_FAST, seed=0)
+    assert_tree_path_exercised(draws, "ddtree")
+    assert chi2_p > P_PASS and g_p > P_PASS, (chi2_p, g_p)
+
+
+def test_compiled_samples_follow_target_distribution(real_models):
+    """Compiled rounds (``compile=True``: every round padded to one fixed shape, 32 rows x 5 nodes, dummy
+    rows as the batch drains; on ``DDTREE_TEST_DEVICE=cuda`` captured in CUDA graphs) keep the law."""
+    device = os.environ.get("DDTREE_TEST_DEVICE", "cpu")
+    models = tuple(copy.deepcopy(m).to(device) for m in real_models)
+    options = dict(compile=True, batch_buckets=[BATCH], node_buckets=[BUDGET + 1])
+    draws, chi2_p, g_p = sample_and_fit(models, "ddtree", "T=1", N_FAST, seed=0, **options)
     assert_tree_path_exercised(draws, "ddtree")
     assert chi2_p > P_PASS and g_p > P_PASS, (chi2_p, g_p)
 

@@ -75,17 +75,17 @@ class CacheWrite:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k/v [B, kv_heads, T, D]; return the rows' keys/values [B, kv_heads, span, D] (views, or
-        copies of the first ``span`` columns when ``rows`` picks a subset)."""
+        copies of the first ``span`` columns when ``rows`` picks a subset).
+
+        One indexed write into the whole buffer per tensor: compiled, it stays in place (a write through a
+        view of the buffer makes torch.compile copy every row it spans back, each layer).
+        """
         if isinstance(self.rows, torch.Tensor):
             r = self.rows[:, None]  # [B, 1] against cols [B, T]
-            out = []
-            for buf, new in ((self.cache.keys[layer], k), (self.cache.values[layer], v)):
-                buf[r, :, self.cols] = new.transpose(1, 2).to(buf.dtype)  # [B, T, kv_heads, D]
-                out.append(buf[self.rows, :, : self.span])
-            return out[0], out[1]
-        keys = self.cache.keys[layer][self.rows]  # [B, kv_heads, C + 1, D] view
-        values = self.cache.values[layer][self.rows]
-        index = self.cols[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # [B, kv_heads, T, D]
-        keys.scatter_(2, index, k.to(keys.dtype))
-        values.scatter_(2, index, v.to(values.dtype))
-        return keys[:, :, : self.span], values[:, :, : self.span]
+        else:
+            r = torch.arange(self.rows.start, self.rows.stop, device=self.cols.device)[:, None]
+        out = []
+        for buf, new in ((self.cache.keys[layer], k), (self.cache.values[layer], v)):
+            buf[r, :, self.cols] = new.transpose(1, 2).to(buf.dtype)  # [B, T, kv_heads, D]
+            out.append(buf[self.rows, :, : self.span])
+        return out[0], out[1]

@@ -467,9 +467,8 @@ class Engine:
     ) -> torch.Tensor:
         """One drafter pass: the block's final hidden states [B, S, H]."""
         write = self.draft_cache.at(where, torch.cat((ctx_cols, block_cols), dim=1), span)
-        mask = (torch.arange(span, device=ends.device)[None] < ends[:, None])[
-            :, None, None
-        ]  # [B, 1, 1, span]
+        visible = torch.arange(span, device=ends.device)[None] < ends[:, None]  # [B, span]
+        mask = visible[:, None, None]  # [B, 1, 1, span]
         return self.drafter(self.embed(block), features, block_positions, ctx_positions, write, mask)
 
     # -- request-level API -------------------------------------------------------------------------------
@@ -766,7 +765,8 @@ class Engine:
         """Draft, build every row's tree, verify all trees in one target forward, accept, commit.
 
         Stages are timed (waiting for the device at each boundary) only when profiling or when "auto" rows
-        need the cost model; otherwise the round's one wait is the transfer its accept step needs.
+        need the cost model; otherwise the round waits only where the host needs device results (the draft
+        logits for the trees, the verify results for the accept step).
         """
         rows = list(self._running)  # in cache-row order
         timing = self.profile or any(r.auto for r in rows)
@@ -860,11 +860,11 @@ class Engine:
         fixed: bool,
         span: int | None = None,
     ) -> torch.Tensor:
-        """One drafter forward over ``b`` cache rows (``fixed``: a captured shape, reading whole rows).
+        """One drafter forward over ``b`` cache rows (``fixed``: a captured shape and span bucket).
 
         Slot i (its request, or None to idle) consumes up to ``c`` of its pending context features and
-        places its block right after them. Returns the blocks'
-        hidden states [b, S, H]; a row's drafts are valid once its whole context is consumed.
+        places its block right after them. Returns the blocks' hidden states [b, S, H]; a row's drafts are
+        valid once its whole context is consumed.
 
         Idle and padding rows write only the scratch column and see column 0, so they stay finite and
         change nothing.

@@ -55,6 +55,28 @@ def int_list(flag: str):
     return parse
 
 
+BUCKET_FLAGS = (  # (flag, metavar letter, help) of each fixed-shape dimension --compile captures
+    (
+        "--batch-buckets",
+        "B",
+        "with --compile: the batch sizes to compile, comma-separated, the largest being the "
+        "maximum batch size (default: 1, 2, 4, ... up to it); fewer buckets start faster",
+    ),
+    (
+        "--node-buckets",
+        "N",
+        "with --compile: the tree sizes to compile (root included), comma-separated; the "
+        "largest must hold the budget plus one (default: 1, 2, 3, 5, 9, 17, ... up to it)",
+    ),
+    (
+        "--span-buckets",
+        "S",
+        "with --compile: cache columns attention may read, comma-separated; the whole row is always "
+        "one (the default: only it); on a CPU, a few smaller spans make short rows read less",
+    ),
+)
+
+
 def add_compile_options(p: argparse.ArgumentParser) -> None:
     """``--compile`` and the fixed shapes it captures (``Engine(compile=True, batch_buckets=...)``)."""
     p.add_argument(
@@ -63,46 +85,21 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
         help="pad every round to fixed shapes and torch.compile the target and drafter forwards "
         "(CUDA graphs on CUDA); every shape compiles at start-up, which takes minutes on a CPU",
     )
-    p.add_argument(
-        "--batch-buckets",
-        type=int_list("--batch-buckets"),
-        default=None,
-        metavar="B1,B2,...",
-        help="with --compile: the batch sizes to compile, comma-separated, the largest being the "
-        "maximum batch size (default: 1, 2, 4, ... up to it); fewer buckets start faster",
-    )
-    p.add_argument(
-        "--node-buckets",
-        type=int_list("--node-buckets"),
-        default=None,
-        metavar="N1,N2,...",
-        help="with --compile: the tree sizes to compile (root included), comma-separated; the "
-        "largest must hold the budget plus one (default: 1, 2, 3, 5, 9, 17, ... up to it)",
-    )
-    p.add_argument(
-        "--span-buckets",
-        type=int_list("--span-buckets"),
-        default=None,
-        metavar="S1,S2,...",
-        help="with --compile: cache columns attention may read, comma-separated; the whole row is always "
-        "one (the default: only it); on a CPU, a few smaller spans make short rows read less",
-    )
+    for flag, metavar, text in BUCKET_FLAGS:
+        p.add_argument(
+            flag, type=int_list(flag), default=None, metavar=f"{metavar}1,{metavar}2,...", help=text
+        )
 
 
 def check_compile_options(args: argparse.Namespace, max_batch_size: int) -> None:
     """The bucket flags' checks that need no model, so a bad list fails before any weight is loaded."""
-    from ddtree.capture import check_buckets
+    from ddtree.capture import check_batch_buckets, check_buckets
 
     if not args.compile:
-        for flag in ("batch_buckets", "node_buckets", "span_buckets"):
-            if getattr(args, flag) is not None:
-                raise DDTreeError(f"--{flag.replace('_', '-')} needs --compile")
+        for flag, _, _ in BUCKET_FLAGS:
+            if getattr(args, flag[2:].replace("-", "_")) is not None:
+                raise DDTreeError(f"{flag} needs --compile")
         return
-    batch = check_buckets("--batch-buckets", args.batch_buckets, max_batch_size)
-    if batch is not None and batch[-1] != max_batch_size:
-        raise DDTreeError(
-            f"the largest of --batch-buckets must be the maximum batch size ({max_batch_size}), "
-            f"got {batch[-1]}"
-        )
+    check_batch_buckets("--batch-buckets", args.batch_buckets, max_batch_size)
     check_buckets("--node-buckets", args.node_buckets)
     check_buckets("--span-buckets", args.span_buckets)

@@ -61,6 +61,19 @@ def check_buckets(
     return tuple(sorted(set(values)))
 
 
+def check_batch_buckets(
+    name: str, buckets: Sequence[int] | None, max_batch_size: int
+) -> tuple[int, ...] | None:
+    """``check_buckets`` for batch buckets: the largest is the maximum batch size (cache rows past it do not
+    exist, and a batch of that many rows needs a bucket)."""
+    checked = check_buckets(name, buckets, max_batch_size)
+    if checked is not None and checked[-1] != max_batch_size:
+        raise DDTreeError(
+            f"the largest of {name} must be the maximum batch size ({max_batch_size}), got {checked[-1]}"
+        )
+    return checked
+
+
 def pick(buckets: tuple[int, ...], n: int) -> int:
     """The smallest bucket that holds ``n`` (the caller keeps ``n`` within the largest)."""
     for size in buckets:
@@ -92,15 +105,26 @@ class StaticInputs:
         self._buffers: dict[tuple, torch.Tensor] = {}
 
     def put(self, name: str, array: np.ndarray | torch.Tensor) -> torch.Tensor:
-        key = (name, tuple(array.shape), str(array.dtype))
+        src = torch.from_numpy(np.ascontiguousarray(array)) if isinstance(array, np.ndarray) else array
+        key = (name, tuple(src.shape), src.dtype)
         buf = self._buffers.get(key)
         if buf is None:
-            src = torch.from_numpy(array) if isinstance(array, np.ndarray) else array
             buf = self._buffers[key] = torch.empty(src.shape, dtype=src.dtype, device=self.device)
             if self.static:
                 torch._dynamo.mark_static_address(buf)
-        buf.copy_(torch.from_numpy(array) if isinstance(array, np.ndarray) else array)
-        return buf
+        return buf.copy_(src)
+
+    def load(self, persistent: bool, **arrays: np.ndarray | torch.Tensor) -> list[torch.Tensor]:
+        """The arrays on the device, in order: refilled into their persistent buffers, or fresh tensors
+        (shapes that vary round to round gain nothing from a buffer kept per shape)."""
+        if persistent:
+            return [self.put(name, x) for name, x in arrays.items()]
+        return [
+            x.to(self.device)
+            if isinstance(x, torch.Tensor)
+            else torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
+            for x in arrays.values()
+        ]
 
 
 def compile_forward(fn: Callable, device: torch.device, num_shapes: int) -> Callable:

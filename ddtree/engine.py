@@ -36,6 +36,7 @@ from ddtree.budget import AcceptanceCalibration, CostModel, choose_counts
 from ddtree.capture import (
     StaticInputs,
     batch_ladder,
+    check_batch_buckets,
     check_buckets,
     compile_forward,
     mark_static,
@@ -385,13 +386,8 @@ class Engine:
         deepest = self.budget if self.budget != AUTO else self.auto_max_budget
         if self.drafter is not None:
             deepest = max(deepest, self.drafter.block_size - 1)  # the dflash chain
-        buckets = check_buckets("batch_buckets", batch_buckets, self.max_batch_size)
+        buckets = check_batch_buckets("batch_buckets", batch_buckets, self.max_batch_size)
         self.batch_buckets = buckets or batch_ladder(self.max_batch_size)
-        if self.batch_buckets[-1] != self.max_batch_size:
-            raise DDTreeError(
-                f"the largest batch bucket must be max_batch_size ({self.max_batch_size}), "
-                f"got {self.batch_buckets[-1]}"
-            )
         self.node_buckets = check_buckets("node_buckets", node_buckets) or node_ladder(deepest)
         self.max_drafted = self.node_buckets[-1] - 1
         whole = self.cache.capacity + 1  # the last span bucket is always the whole row
@@ -892,32 +888,20 @@ class Engine:
             block[i, 0] = r.root
             block_cols[i] = r.draft_len + np.arange(bs)  # after the consumed context
             ends[i] = r.draft_len + bs
+        inputs = self._inputs.load(
+            fixed,
+            block=block,
+            features=features,
+            ctx_positions=ctx_positions,
+            ctx_cols=ctx_cols,
+            block_positions=np.where(block_cols == scratch, block_positions, block_cols),
+            block_cols=block_cols,
+            ends=ends,
+        )
         if fixed:
             span = span or self._draft_span(int(ends.max()))
-            put = self._inputs.put
-            inputs = (
-                put("block", block),
-                put("features", features),
-                put("ctx_positions", ctx_positions),
-                put("ctx_cols", ctx_cols),
-                put("block_positions", np.where(block_cols == scratch, block_positions, block_cols)),
-                put("block_cols", block_cols),
-                put("ends", ends),
-            )
         else:
             span = int(ends.max())
-            inputs = tuple(
-                x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x)).to(device)
-                for x in (
-                    block,
-                    features,
-                    ctx_positions,
-                    ctx_cols,
-                    np.where(block_cols == scratch, block_positions, block_cols),
-                    block_cols,
-                    ends,
-                )
-            )
         return (self._draft_forward if fixed else self._draft_forward_eager)(*inputs, where, span)
 
     def _draft_span(self, needed: int) -> int:
@@ -1056,14 +1040,9 @@ class Engine:
             tree_ids, tree_positions, tree_anc = tree_verify_inputs(tree, int(start))  # [m], [m], [m, m]
             ids[i, :m], positions[i, :m], anc[i, :m, :m] = tree_ids, tree_positions, tree_anc
             cols[i, :m] = np.arange(start, start + m)
-        if self.fixed_shapes:
-            put = self._inputs.put
-            names = ("ids", "positions", "cols", "starts", "anc")
-            tensors = [
-                put(name, x) for name, x in zip(names, (ids, positions, cols, all_starts, anc), strict=True)
-            ]
-        else:
-            tensors = [torch.from_numpy(x).to(self.device) for x in (ids, positions, cols, all_starts, anc)]
+        tensors = self._inputs.load(
+            self.fixed_shapes, ids=ids, positions=positions, cols=cols, starts=all_starts, anc=anc
+        )
         return VerifyBatch(*tensors, span=span, rows=b, nodes=n)
 
     def _greedy_heads(

@@ -37,30 +37,31 @@ status=0
 started=$SECONDS
 "$PYTHON" -c "import torch; print('accelerator_check:', torch.cuda.get_device_name(0), 'torch', torch.__version__)"
 
+# run_step NAME TIMEOUT LOG COMMAND...: run COMMAND under TIMEOUT seconds into LOG; on failure print its tail
+# and keep the first failing exit code in $status (the later steps still run).
+run_step() {
+    local name=$1 limit=$2 log=$3
+    shift 3
+    if timeout "$limit" "$@" >"$log" 2>&1; then
+        echo "accelerator_check: $name passed: $(tail -n 1 "$log")"
+    else
+        local code=$?
+        [[ $status -eq 0 ]] && status=$code
+        echo "accelerator_check: $name FAILED (exit $code); last lines of $log:" >&2
+        tail -n 30 "$log" >&2
+    fi
+}
+
 echo "accelerator_check: [1/2] compiled-decoding tests on CUDA (timeout ${TEST_TIMEOUT}s) -> $OUT_DIR/tests.log"
-if DDTREE_TEST_DEVICE=cuda timeout "$TEST_TIMEOUT" "$PYTHON" -m pytest -q -x -rP tests/test_capture.py \
-    "tests/test_sampling_lossless.py::test_compiled_samples_follow_target_distribution" \
-    >"$OUT_DIR/tests.log" 2>&1; then
-    echo "accelerator_check: tests passed: $(tail -n 1 "$OUT_DIR/tests.log")"
-else
-    code=$?
-    [[ $status -eq 0 ]] && status=$code
-    echo "accelerator_check: tests FAILED (exit $code); last lines of $OUT_DIR/tests.log:" >&2
-    tail -n 30 "$OUT_DIR/tests.log" >&2
-fi
+DDTREE_TEST_DEVICE=cuda run_step tests "$TEST_TIMEOUT" "$OUT_DIR/tests.log" \
+    "$PYTHON" -m pytest -q -x -rP tests/test_capture.py \
+    "tests/test_sampling_lossless.py::test_compiled_samples_follow_target_distribution"
 
 echo "accelerator_check: [2/2] bench, eager vs compiled (timeout ${BENCH_TIMEOUT}s) -> $OUT_DIR/bench.log"
-if timeout "$BENCH_TIMEOUT" "$PYTHON" -m ddtree bench --device cuda --compile --node-buckets "$NODE_BUCKETS" \
+run_step bench "$BENCH_TIMEOUT" "$OUT_DIR/bench.log" \
+    "$PYTHON" -m ddtree bench --device cuda --compile --node-buckets "$NODE_BUCKETS" \
     --methods ar,dflash,ddtree --budgets 8,16,64,256 --temperatures 0,1 --num-prompts 4 \
-    --max-new-tokens 64 --repeats 1 --tree-vocab 0 --no-progress --out "$OUT_DIR" \
-    >"$OUT_DIR/bench.log" 2>&1; then
-    echo "accelerator_check: bench passed (T = 0 outputs equal plain decoding)"
-else
-    code=$?
-    [[ $status -eq 0 ]] && status=$code
-    echo "accelerator_check: bench FAILED (exit $code); last lines of $OUT_DIR/bench.log:" >&2
-    tail -n 30 "$OUT_DIR/bench.log" >&2
-fi
+    --max-new-tokens 64 --repeats 1 --tree-vocab 0 --no-progress --out "$OUT_DIR"
 
 echo "accelerator_check: done in $((SECONDS - started)) s, exit $status; results in $OUT_DIR:"
 for name in results.json results.md tests.log bench.log; do

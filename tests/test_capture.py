@@ -64,6 +64,11 @@ def eager() -> Engine:
     return Engine.from_pretrained(max_batch_size=4, **OPTIONS)
 
 
+def sibling(eager: Engine, **options) -> Engine:
+    """An engine on the eager engine's models, tokenizer and context (256 tokens), with other options."""
+    return Engine(eager.target, eager.drafter, eager.tokenizer, max_model_len=256, **options)
+
+
 def test_ladders_cover_every_size_with_the_smallest_bucket():
     assert batch_ladder(16) == (1, 2, 4, 8, 16)
     assert batch_ladder(6) == (1, 2, 4, 6)
@@ -94,7 +99,9 @@ def test_tree_mask_shows_committed_columns_and_ancestors_only():
 
 def test_bucket_options_are_checked_before_anything_runs(eager: Engine):
     target, drafter = eager.target, eager.drafter
-    with pytest.raises(DDTreeError, match="largest batch bucket"):
+    with pytest.raises(
+        DDTreeError, match=r"largest of batch_buckets must be the maximum batch size \(4\), got 2"
+    ):
         Engine(target, drafter, max_batch_size=4, fixed_shapes=True, batch_buckets=[1, 2])
     with pytest.raises(DDTreeError, match="batch_buckets"):
         Engine(target, drafter, max_batch_size=4, fixed_shapes=True, batch_buckets=[0, 4])
@@ -115,12 +122,9 @@ def test_bucket_options_are_checked_before_anything_runs(eager: Engine):
 def test_padded_rows_and_nodes_change_no_output(eager: Engine):
     """Buckets of 3 and 4 rows, 4, 7, 13, 17 nodes and 24, 48 or all 257 columns read: dummy rows, dummy
     nodes, every tree size padded, rows growing from one span bucket into the next."""
-    padded = Engine(
-        eager.target,
-        eager.drafter,
-        eager.tokenizer,
+    padded = sibling(
+        eager,
         max_batch_size=4,
-        max_model_len=256,
         draft_dtype=torch.float32,
         fixed_shapes=True,
         batch_buckets=[3, 4],
@@ -147,12 +151,9 @@ def test_padded_rows_and_nodes_change_no_output(eager: Engine):
 
 @pytest.fixture(scope="module")
 def compiled(eager: Engine) -> Engine:
-    return Engine(
-        eager.target,
-        eager.drafter,
-        eager.tokenizer,
+    return sibling(
+        eager,
         max_batch_size=2,
-        max_model_len=256,
         draft_dtype=torch.float32,
         compile=True,
         batch_buckets=[2],  # one batch alone runs as a dummy-padded pair
@@ -211,13 +212,10 @@ def test_auto_rows_catch_up_a_long_backlog_with_repeated_fixed_passes(eager: Eng
     between; a backlog longer than the pass's one-block context takes several passes, and the probes'
     drafts are still accepted (the drafter's cache caught up exactly)."""
     cost = CostModel(verify=LinearCost(1.0, 0.001), draft=LinearCost(5.0, 0.0), frozen=True)
-    padded = Engine(
-        eager.target,
-        eager.drafter,
-        eager.tokenizer,
+    padded = sibling(
+        eager,
         budget="auto",
         max_batch_size=2,
-        max_model_len=256,
         fixed_shapes=True,
         node_buckets=[5, 17],
         cost_model=cost,

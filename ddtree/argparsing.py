@@ -7,6 +7,7 @@ and ``ddtree.cli`` imports them.
 from __future__ import annotations
 
 import argparse
+import os
 
 from ddtree.errors import DDTreeError
 
@@ -103,3 +104,42 @@ def check_compile_options(args: argparse.Namespace, max_batch_size: int) -> None
     check_batch_buckets("--batch-buckets", args.batch_buckets, max_batch_size)
     check_buckets("--node-buckets", args.node_buckets)
     check_buckets("--span-buckets", args.span_buckets)
+
+
+def add_threads_option(p: argparse.ArgumentParser) -> None:
+    """``--threads``: torch's CPU threads, for the commands that run the engine (generate, serve, bench)."""
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch CPU threads (default: the cores not busy with other work, from the 1-minute load "
+        "average; OMP_NUM_THREADS, when set, is kept). Oversubscribed cores are many times slower",
+    )
+
+
+def default_threads(torch_default: int, cores: int, load: float) -> int:
+    """Threads for a CPU shared with other work: torch's default (one per core), less the cores the load
+    average says are busy, at least one.
+
+    Measured on a 2-core machine (docs/benchmarks.md): with one core busy elsewhere, torch's 2 threads
+    decode the quick start at 31 tokens/s and 1 thread at 129 (OpenMP threads spin waiting for the one
+    that lost its core); on an idle machine both give 136."""
+    return max(1, min(torch_default, cores - round(load)))
+
+
+def apply_threads(threads: int | None) -> int:
+    """Set torch's CPU threads from ``--threads`` (None: ``default_threads``); returns the count set."""
+    import torch
+
+    if threads is not None:
+        if threads < 1:
+            raise DDTreeError(f"--threads must be >= 1, got {threads}")
+    elif os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()  # the user's own choice, already applied by torch
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        threads = default_threads(torch.get_num_threads(), cores, load)
+    torch.set_num_threads(threads)
+    return threads

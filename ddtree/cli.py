@@ -12,7 +12,14 @@ import sys
 from pathlib import Path
 
 from ddtree import __version__
-from ddtree.argparsing import Parser, add_compile_options, add_draft_topk, check_compile_options
+from ddtree.argparsing import (
+    Parser,
+    add_compile_options,
+    add_draft_topk,
+    add_threads_option,
+    apply_threads,
+    check_compile_options,
+)
 from ddtree.bench.cli import register_bench
 from ddtree.errors import DDTreeError
 from ddtree.params import METHODS, check_accept_thresholds, check_speculative_options, parse_budget
@@ -71,6 +78,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         help="SGLang's threshold_acc: accept when coin < (siblings' target mass) / A; LOSSY below 1.0",
     )
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")  # fmt: skip
+    add_threads_option(p)
     add_compile_options(p)
 
 
@@ -125,6 +133,8 @@ def check_engine_flags(args: argparse.Namespace):
     check_speculative_options(args.method, args.budget, args.topk)
     check_accept_thresholds(args.accept_threshold_single, args.accept_threshold_acc)
     check_compile_options(args, max_batch_size(args))
+    if args.threads is not None and args.threads < 1:
+        raise DDTreeError(f"--threads must be >= 1, got {args.threads}")
     return check_device(args.device)
 
 
@@ -138,6 +148,7 @@ def engine_from_args(args: argparse.Namespace):
     from ddtree.models import DEFAULT_DRAFTER, DEFAULT_TARGET
 
     device = check_engine_flags(args)
+    args.threads = apply_threads(args.threads)  # before any weight is loaded; --stats and serve report it
     target = args.target or DEFAULT_TARGET
     drafter = args.drafter
     if drafter is None and args.target is None:
@@ -173,8 +184,10 @@ def engine_from_args(args: argparse.Namespace):
 
 def read_prompt(args: argparse.Namespace) -> str:
     """PROMPT, stdin (PROMPT is -) or --prompt-file: exactly one of them."""
-    if (args.prompt is None) == (args.prompt_file is None):
-        raise DDTreeError("give a PROMPT (- for stdin) or --prompt-file, not both")
+    if args.prompt is None and args.prompt_file is None:
+        raise DDTreeError("no prompt: give a PROMPT, - to read it from stdin, or --prompt-file FILE")
+    if args.prompt is not None and args.prompt_file is not None:
+        raise DDTreeError("give a PROMPT or --prompt-file, not both")
     if args.prompt_file is not None:
         try:
             return args.prompt_file.read_text()
@@ -184,6 +197,8 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 
 def _generate(args: argparse.Namespace) -> None:
+    import torch
+
     from ddtree.params import SamplingParams
 
     prompt = read_prompt(args)
@@ -213,6 +228,7 @@ def _generate(args: argparse.Namespace) -> None:
         stats["acceptance_histogram"] = {n: lengths.count(n) for n in sorted(set(lengths))}
         if engine.compiled:
             stats["compile_warmup_seconds"] = engine.warmup_seconds
+        stats["torch_threads"] = torch.get_num_threads()  # what torch runs with, --threads or not
         print(json.dumps(stats, indent=2), file=sys.stderr)
 
 

@@ -537,16 +537,21 @@ class Engine:
         return request_id
 
     def abort(self, request_id: str) -> bool:
-        """Drop a waiting or running request (its row is free for the next step); False if unknown."""
-        for r in self._waiting:
-            if r.request_id == request_id:
-                self._waiting.remove(r)
-                return True
-        for r in self._running:
-            if r.request_id == request_id:
-                self._release(r)
-                return True
-        return False
+        """Drop a waiting or running request (its row is free for the next step); False if unknown.
+
+        As in vLLM, the request's last delta carries finish_reason "abort" (its stream's, or the next
+        ``step``'s)."""
+        request = next((r for r in self._waiting if r.request_id == request_id), None)
+        if request is not None:
+            self._waiting.remove(request)
+        else:
+            request = next((r for r in self._running if r.request_id == request_id), None)
+            if request is None:
+                return False
+            self._release(request)
+        request.output.finish_reason = "abort"
+        self._route([self._delta(request, len(request.output.token_ids))])
+        return True
 
     def step(self) -> list[StreamDelta]:
         """Admit waiting requests with one batched prefill when a row is free; otherwise run one round for
@@ -569,7 +574,9 @@ class Engine:
     ) -> GenerationResult | list[GenerationResult]:
         """One prompt -> one result; a list of prompts -> results in input order, decoded as one
         continuously batched run (``params`` may be one for all or one per prompt)."""
-        single = isinstance(prompt, str) or not prompt or not isinstance(prompt[0], (str, list, tuple))
+        if isinstance(prompt, (list, tuple)) and not prompt:
+            raise DDTreeError("generate() got an empty list: give a prompt (text or token ids) or prompts")
+        single = isinstance(prompt, str) or not isinstance(prompt[0], (str, list, tuple))
         prompts = [prompt] if single else list(prompt)
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):
@@ -616,7 +623,8 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise DDTreeError("a text prompt needs a tokenizer; pass token ids instead")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            # verbose=False: an over-long prompt gets our DDTreeError, not transformers' warning first
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False, verbose=False)
         else:
             ids = [int(t) for t in prompt]
         if not ids:
@@ -637,18 +645,14 @@ class Engine:
         try:
             while not done:
                 while not queue:
-                    if not any(
-                        r.request_id == request_id for r in itertools.chain(self._waiting, self._running)
-                    ):
-                        return  # aborted elsewhere
-                    self._advance()
+                    self._advance()  # an abort from elsewhere queues the request's last delta
                 delta = queue.popleft()
                 done = delta.finish_reason is not None
                 yield delta
         finally:
-            del self._followed[request_id]
             if not done:
-                self.abort(request_id)
+                self.abort(request_id)  # its "abort" delta goes to this queue, read by nobody
+            del self._followed[request_id]
 
     def _advance(self) -> None:
         with torch.inference_mode():
@@ -658,6 +662,10 @@ class Engine:
                 deltas = self._admit()
             else:
                 deltas = self._round() if self._running else []
+        self._route(deltas)
+
+    def _route(self, deltas: list[StreamDelta]) -> None:
+        """Each delta to its request's stream, or to the next ``step``'s return value."""
         for delta in deltas:
             queue = self._followed.get(delta.request_id)
             (self._unclaimed if queue is None else queue).append(delta)

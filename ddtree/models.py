@@ -17,14 +17,24 @@ DEFAULT_TARGET = ASSETS / "target"
 DEFAULT_DRAFTER = ASSETS / "drafter"
 
 
+SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")  # what the engine is built and tested on
+
+
 def check_device(name: str | torch.device) -> torch.device:
-    """The torch device ``name`` names, or a one-line DDTreeError when it is unknown or absent here."""
+    """The torch device ``name`` names, or a one-line DDTreeError when it is unknown, of a kind the engine
+    does not run on (mps, meta, ...), or absent from this machine."""
     try:
         device = torch.device(name)
-    except RuntimeError:
-        raise DDTreeError(f"unknown device {str(name)!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DDTreeError(f"device {str(name)!r} given but CUDA is not available on this machine")
+    except (RuntimeError, ValueError):
+        raise DDTreeError(f"unknown device {str(name)!r}; use cpu, cuda or cuda:N") from None
+    if device.type not in SUPPORTED_DEVICE_TYPES:
+        raise DDTreeError(f"device {str(name)!r} is not supported; ddtree runs on cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DDTreeError(f"device {str(name)!r} given but CUDA is not available on this machine")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise DDTreeError(f"device {str(name)!r} given but this machine has {count} CUDA device(s)")
     return device
 
 

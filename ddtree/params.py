@@ -4,6 +4,7 @@ server, bench, training) checks with these functions, so a rule and its message 
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass, field
 
@@ -13,6 +14,7 @@ MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5
 METHODS = ("ddtree", "dflash", "ar")
 AUTO = "auto"  # budget: chosen per round and row from expected tokens per second (ddtree.budget)
+MAX_BUDGET = 4096  # a larger tree only costs the verify forward (a round drafts at most its row's room)
 
 
 def check_speculative_options(
@@ -24,6 +26,8 @@ def check_speculative_options(
         raise DDTreeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if budget != AUTO and (not _is_int(budget) or budget < 1):
         raise DDTreeError(f"budget must be an integer >= 1 or 'auto', got {budget!r}")
+    if budget != AUTO and budget > MAX_BUDGET:
+        raise DDTreeError(f"budget must be at most {MAX_BUDGET} tree nodes per round, got {budget}")
     if topk is not None and (not _is_int(topk) or topk < 1):
         raise DDTreeError(f"topk must be an integer >= 1, got {topk!r}")
     return method, budget, topk
@@ -36,7 +40,8 @@ def parse_budget(text: str) -> int | str:
     try:
         return int(text)
     except ValueError:
-        raise DDTreeError(f"budget must be an integer >= 1 or 'auto', got {text!r}") from None
+        # argparse reports an ArgumentTypeError's own message (any other error as "invalid parse_budget")
+        raise argparse.ArgumentTypeError(f"budget must be an integer >= 1 or 'auto', got {text!r}") from None
 
 
 def check_accept_thresholds(single: float, acc: float) -> tuple[float, float]:

@@ -24,9 +24,9 @@ def model_dirs(tmp_path_factory):
 
 
 def ddtree(
-    *args: str, stdin: str | None = None, cwd=None, module: str = "ddtree.cli"
+    *args: str, stdin: str | None = None, cwd=None, module: str = "ddtree.cli", threads: str = "1"
 ) -> subprocess.CompletedProcess:
-    env = os.environ | {"OMP_NUM_THREADS": "1"}  # tiny models; see conftest
+    env = os.environ | {"OMP_NUM_THREADS": threads}  # tiny models; see conftest
     if cwd is not None:  # the checkout, not an installed copy, wherever the process runs
         env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
     return subprocess.run(
@@ -80,6 +80,7 @@ def test_sampled_generation_with_a_seed_repeats(model_dirs):
         (["--top-k", "-2"], "top_k"),
         (["--budget", "0"], "budget"),
         (["--max-new-tokens", "500"], "context"),
+        (["--budget", "100000"], "budget must be at most 4096"),
         (["--method", "beam"], "invalid choice"),
         (["--no-such-flag"], "unrecognized arguments"),
     ],
@@ -226,6 +227,10 @@ def test_budget_defaults_to_the_fastest_measured_on_a_cpu(command):
         (["--speculative-accept-threshold-single", "1.5"], ["accept_threshold_single", "[0, 1]"]),
         (["--speculative-accept-threshold-acc", "nan"], ["accept_threshold_acc", "[0, 1]"]),
         (["--draft-topk", "0"], ["topk must be an integer >= 1"]),
+        (["--device", "mps"], ["device 'mps' is not supported", "cpu, cuda"]),
+        (["--device", "meta"], ["device 'meta' is not supported"]),
+        (["--threads", "0"], ["--threads must be >= 1"]),
+        (["--budget", "abc"], ["argument --budget: budget must be an integer >= 1 or 'auto', got 'abc'"]),
     ],
 )
 @pytest.mark.parametrize("command", ["generate", "serve"])
@@ -342,3 +347,22 @@ def test_generate_builds_a_one_row_engine_that_profiles_only_for_stats(model_dir
     quiet, stats = (engine_from_args(build_parser().parse_args(flags + extra)) for extra in ([], ["--stats"]))
     assert not quiet.profile and stats.profile and not stats.compiled
     assert quiet.max_batch_size == stats.max_batch_size == 1  # one request: one cache row, one batch shape
+
+
+@pytest.mark.parametrize(("flags", "expected"), [(["--threads", "1"], 1), ([], 2)])
+def test_threads_reach_torch_in_generate_and_omp_num_threads_is_kept_without_it(model_dirs, flags, expected):
+    target_dir, drafter_dir = model_dirs
+    run = ddtree("generate", "def", "--target", target_dir, "--drafter", drafter_dir, "--max-new-tokens", 4,
+                 "--stats", *flags, threads="2")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stderr[run.stderr.index("{") :])["torch_threads"] == expected
+
+
+def test_default_threads_leave_the_busy_cores_to_their_work():
+    from ddtree.argparsing import default_threads
+
+    assert default_threads(torch_default=2, cores=2, load=0.1) == 2  # idle: torch's default
+    assert default_threads(torch_default=2, cores=2, load=1.0) == 1  # one core busy elsewhere
+    assert default_threads(torch_default=8, cores=16, load=4.2) == 8  # never more than torch's default
+    assert default_threads(torch_default=32, cores=32, load=30.0) == 2
+    assert default_threads(torch_default=4, cores=4, load=9.0) == 1  # oversubscribed: at least one

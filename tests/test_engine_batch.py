@@ -123,7 +123,7 @@ def test_requests_added_mid_decode_and_aborted_leave_the_others_unchanged(engine
     for prompt, spec in zip(prompts[:3], specs[:3], strict=True):
         ids.append(engine.add_request(prompt, spec.params, method=spec.method, budget=spec.budget))
     doomed = engine.add_request(prompts[7], SPECS[7].params, method="ddtree")
-    steps = 0
+    steps = aborted = 0
     while engine.has_unfinished_requests():
         if steps == 3:  # the first requests are mid-decode: three more join, one is aborted
             assert engine.abort(doomed)
@@ -134,9 +134,12 @@ def test_requests_added_mid_decode_and_aborted_leave_the_others_unchanged(engine
                     )
                 )
         for delta in engine.step():
-            assert delta.request_id != doomed or steps < 3
+            if delta.request_id == doomed and steps >= 3:  # as vLLM: one last delta, "abort", no tokens
+                assert delta.finish_reason == "abort" and not delta.token_ids
+                aborted += 1
             tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
         steps += 1
+    assert aborted == 1
     assert not engine.abort(doomed)  # gone for good
     assert [tokens[i] for i in ids] == [a.token_ids for a in alone]
 

@@ -194,6 +194,53 @@ def test_openai_client_raises_typed_errors(client):
     assert [m.id for m in client.models.list()] == ["tiny"]
 
 
+def test_fields_that_cannot_change_the_output_are_ignored_and_logged_once(server, client, engine):
+    expected = engine.generate(
+        plain_prompt([{"role": "user", "content": "def"}]), SamplingParams(max_new_tokens=6)
+    )
+    for _ in range(2):
+        chat = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "def"}], max_tokens=6, temperature=0,
+            store=False, metadata={"team": "a"}, user="u1", service_tier="auto",
+        )  # fmt: skip
+        assert chat.choices[0].message.content == expected.text
+    done = client.completions.create(
+        model="tiny", prompt="def", max_tokens=2, user="u2",
+        extra_body={"store": False, "metadata": {"k": "v"}, "repetition_penalty": 1.0},  # 1.0: neutral
+    )  # fmt: skip
+    assert done.choices[0].finish_reason in ("stop", "length")
+    log = server.log()
+    assert log.count("ignoring the request field 'store'") == 1
+    assert log.count("ignoring the request field 'metadata'") == 1
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("repetition_penalty", 1.2), ("frequency_penalty", 0.5), ("presence_penalty", -1.0)]
+)
+def test_penalties_that_would_change_the_output_are_400(client, field, value):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={field: value})
+    assert bad.value.code == "unsupported_parameter" and bad.value.param == field
+
+
+def test_tool_results_are_accepted_as_a_tool_line_of_the_conversation(client, engine):
+    messages = [
+        {"role": "user", "content": "def"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "fib"},
+    ]  # fmt: skip
+    prompt = "User: def\nAssistant: \nTool: fib\nAssistant:"
+    expected = engine.generate(prompt, SamplingParams(max_new_tokens=6))
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    assert chat.choices[0].message.content == expected.text
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": None}], max_tokens=2
+        )
+    assert bad.value.param == "messages[0].content"
+
+
 def test_metrics_parse_and_move_as_requests_complete(server, client):
     before = scrape(server.url)
     r = client.completions.create(model="tiny", prompt="def fib", max_tokens=9, temperature=0)
@@ -305,6 +352,14 @@ def test_flags_and_models_that_cannot_work_exit_2(model_dirs, tmp_path):
     assert "not a DFlash checkpoint" in bad.log()
 
 
+def wait_running(url: str, requests: int, timeout: float = 30) -> None:
+    """Until the server reports ``requests`` HTTP requests running (they have rows in the engine)."""
+    deadline = time.monotonic() + timeout
+    while metric(scrape(url), "ddtree_requests_running") != requests:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
 def test_ready_is_503_while_loading_and_sigterm_lets_the_request_in_flight_finish(model_dirs, tmp_path):
     target, drafter = model_dirs
     proc = ServerProcess(
@@ -332,10 +387,7 @@ def test_ready_is_503_while_loading_and_sigterm_lets_the_request_in_flight_finis
             target=lambda: result.update(r=httpx.post(f"{proc.url}/v1/completions", json=long, timeout=120))
         )
         worker.start()
-        deadline = time.monotonic() + 30
-        while metric(scrape(proc.url), "ddtree_requests_running") != 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_running(proc.url, 1)
         proc.terminate()
         host, port = proc.url.removeprefix("http://").split(":")
         refused = False
@@ -355,3 +407,57 @@ def test_ready_is_503_while_loading_and_sigterm_lets_the_request_in_flight_finis
     finally:
         proc.close()
     assert "Traceback" not in proc.log()
+
+
+def test_past_the_shutdown_timeout_open_requests_end_the_openai_way_and_the_exit_code_says_so(
+    model_dirs, tmp_path
+):
+    target, drafter = model_dirs
+    proc = ServerProcess(
+        ["--target", target, "--drafter", drafter, "--shutdown-timeout", 1, "--threads", 1],
+        tmp_path / "cut.log",
+        env=server_env(DDTREE_TEST_STEP_DELAY="0.1", OMP_NUM_THREADS="2"),
+    )
+    try:
+        proc.wait_ready()
+        assert "1 torch threads" in proc.log()  # --threads reached torch on the engine thread
+        # One token per step (plain decoding), a step every 0.1 s: each request needs about 5 s.
+        long = {
+            "prompt": "def fib",
+            "max_tokens": 50,
+            "temperature": 0,
+            "ignore_eos": True,
+            "speculative": False,
+        }
+        events: list = []
+        whole: dict = {}
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{proc.url}/v1/completions", json=long | {"stream": True},
+                              timeout=60) as r:  # fmt: skip
+                events.extend(sse_events(r.iter_lines()))
+
+        threads = [
+            threading.Thread(target=stream),
+            threading.Thread(
+                target=lambda: whole.update(r=httpx.post(f"{proc.url}/v1/completions", json=long, timeout=60))
+            ),
+        ]
+        for t in threads:
+            t.start()
+        wait_running(proc.url, 2)
+        proc.terminate()
+        for t in threads:
+            t.join(60)
+        assert events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "shutting_down", events[-3:]
+        assert any("choices" in e for e in events[:-2])  # it was cut mid-stream
+        answer = whole["r"]
+        assert answer.status_code == 503 and answer.headers["content-type"] == "application/json"
+        assert answer.json()["error"]["code"] == "shutting_down"
+        assert proc.wait(60) == 1
+    finally:
+        proc.close()
+    log = proc.log()
+    assert "Traceback" not in log and "Exception in ASGI application" not in log
+    assert "2 request(s) did not finish within --shutdown-timeout 1 s" in log

@@ -16,7 +16,14 @@ import time
 from functools import partial
 from pathlib import Path
 
-from ddtree.argparsing import Parser, add_compile_options, add_draft_topk, check_compile_options
+from ddtree.argparsing import (
+    Parser,
+    add_compile_options,
+    add_draft_topk,
+    add_threads_option,
+    apply_threads,
+    check_compile_options,
+)
 from ddtree.errors import DDTreeError
 from ddtree.params import parse_budget
 
@@ -72,7 +79,7 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model weights"
     )
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (torch's default if omitted)")
+    add_threads_option(p)
     p.add_argument("--tree-vocab", type=int, default=32768,
                    help="vocabulary of the tree-build timing; 0 = skip it")  # fmt: skip
     p.add_argument("--concurrency", type=_csv(int, "--concurrency"), default=None,
@@ -188,7 +195,6 @@ def load_models(args: argparse.Namespace, needs_drafter: bool):
 
 def run_bench_command(args: argparse.Namespace) -> None:
     """Run, write the four outputs, print the Markdown, and fail loudly on a T = 0 mismatch."""
-    import torch
     from transformers.utils import logging as hf_logging
 
     from ddtree.bench.check import MISMATCH_EXIT_CODE, announce, check_greedy_equality
@@ -212,10 +218,7 @@ def run_bench_command(args: argparse.Namespace) -> None:
         pld_tokens=args.pld_tokens,
         compile=args.compile,
     )
-    if args.threads is not None:
-        if args.threads < 1:
-            raise DDTreeError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     if args.tree_vocab < 0:
         raise DDTreeError(f"--tree-vocab must be >= 0, got {args.tree_vocab}")
     prompts = load_prompts(args.prompts, args.num_prompts)

@@ -68,6 +68,7 @@ class ServerState:
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     started_at: float = field(default_factory=time.time)
     token_chars: int | None = None  # the tokenizer's longest token in characters, once loaded
+    ignored_fields_logged: set[str] = field(default_factory=set)  # request fields ignored, logged once
 
     def health(self) -> Health:
         return Health(
@@ -165,7 +166,8 @@ def create_app(
         error = state.not_ready()
         if error is None:
             return state.health()
-        body = error_body(error.message, error.type, error.param, error.code) | state.health().model_dump()
+        identity = state.health().model_dump(exclude={"status"})
+        body = error_body(error.message, error.type, error.param, error.code) | identity
         return JSONResponse(body, status_code=503, headers=error.headers)
 
     @app.get("/metrics", tags=["operations"], response_class=Response)

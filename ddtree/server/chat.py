@@ -9,7 +9,8 @@ open assistant turn::
     User: What is 2 + 2?
     Assistant:
 
-A base model may continue with ``\\nUser:``; pass ``stop: ["\\nUser:"]`` to end the turn there.
+A base model may continue with ``\\nUser:``; pass ``stop: ["\\nUser:"]`` to end the turn there. A
+``tool`` message (a result the client sends back) is a ``Tool:`` line.
 """
 
 from __future__ import annotations
@@ -17,27 +18,44 @@ from __future__ import annotations
 from ddtree.server.errors import invalid
 from ddtree.server.protocol import ChatMessage
 
-ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
+ROLE_NAMES = {
+    "system": "System",
+    "developer": "System",
+    "user": "User",
+    "assistant": "Assistant",
+    "tool": "Tool",
+}
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as a template expects them: text content only (parts joined)."""
+def message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as a template expects them: text content (parts joined), plus a tool message's
+    ``tool_call_id`` and an assistant's earlier ``tool_calls``."""
     out = []
-    for m in messages:
-        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
-        entry = {"role": m.role, "content": content}
-        if m.name is not None:
-            entry["name"] = m.name
+    for i, m in enumerate(messages):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise invalid(
+                "content may be null only in an assistant message with tool_calls", f"messages[{i}].content"
+            )
+        if m.tool_calls is not None and m.role != "assistant":
+            raise invalid("only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
+        if m.content is None:
+            content = ""
+        else:
+            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
+        entry: dict = {"role": m.role, "content": content}
+        for key in ("name", "tool_call_id", "tool_calls"):
+            if getattr(m, key) is not None:
+                entry[key] = getattr(m, key)
         out.append(entry)
     return out
 
 
-def plain_prompt(messages: list[dict[str, str]]) -> str:
+def plain_prompt(messages: list[dict]) -> str:
     lines = [f"{ROLE_NAMES[m['role']]}: {m['content']}" for m in messages]
     return "\n".join([*lines, "Assistant:"])
 
 
-def render_chat(tokenizer, messages: list[dict[str, str]]) -> str:
+def render_chat(tokenizer, messages: list[dict]) -> str:
     """The prompt for ``messages``: runs on the engine thread, where the tokenizer lives."""
     if tokenizer is None:
         raise invalid("this model has no tokenizer, so it cannot chat; use /v1/completions with token ids")

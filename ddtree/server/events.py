@@ -58,9 +58,8 @@ async def job_items(
             if isinstance(item, Failed):
                 ended = True
                 if isinstance(item.error, ShuttingDown):
-                    raise APIError(
-                        503, "the server is shutting down", "service_unavailable", None, "shutting_down"
-                    )
+                    message = "the server shut down before this request finished"
+                    raise APIError(503, message, "service_unavailable", None, "shutting_down")
                 raise item.error
             yield item
     finally:

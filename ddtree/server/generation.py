@@ -40,7 +40,7 @@ class Plan:
     max_tokens: int | None  # None: the completions default, or the rest of the context for chat
     n: int = 1
     prompts: list[str | list[int]] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict] | None = None
     method: str | None = None
     budget: int | None = None
     topk: int | None = None

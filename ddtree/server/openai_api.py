@@ -9,6 +9,7 @@ it asked to stream.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from fastapi import APIRouter, Request
@@ -20,6 +21,7 @@ from ddtree.server.events import EventStreamResponse, event_stream, job_items
 from ddtree.server.generation import Plan, Started
 from ddtree.server.limits import check_plan
 from ddtree.server.protocol import (
+    IGNORED_FIELDS,
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
@@ -36,6 +38,7 @@ from ddtree.server.worker import Job, QueueFull, ShuttingDown
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 429, 503, 504)}
 
 router = APIRouter(prefix="/v1", tags=["openai"])
+log = logging.getLogger("ddtree.server")
 
 
 @router.get("/models", response_model=ModelList)
@@ -54,6 +57,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     """Continue a prompt (text or token ids; a batch gives ``len(prompt) * n`` choices)."""
     start = time.perf_counter()
     _check_model(request, body.model)
+    _note_ignored(request, body)
     if body.echo:
         raise unsupported("echo")
     if body.suffix is not None:
@@ -77,6 +81,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     """Answer a conversation, rendered by the tokenizer's chat template or the plain fallback."""
     start = time.perf_counter()
     _check_model(request, body.model)
+    _note_ignored(request, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     if body.tools:
@@ -155,6 +160,8 @@ def _sampling_params(body: GenerationRequest, logprobs: int | None) -> SamplingP
         raise unsupported("presence_penalty")
     if body.logit_bias:
         raise unsupported("logit_bias")
+    if body.repetition_penalty is not None and body.repetition_penalty != 1.0:
+        raise unsupported("repetition_penalty")
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
     temperature = 1.0 if body.temperature is None else body.temperature
@@ -189,6 +196,15 @@ def _speculative(option: bool | SpeculativeOptions | None) -> dict:
     if option is False:
         return {"method": "ar"}
     return option.model_dump(exclude_none=True)
+
+
+def _note_ignored(request: Request, body: GenerationRequest) -> None:
+    """Log, once per field name and server, a field this request set that the server ignores."""
+    logged = request.app.state.ddtree.ignored_fields_logged
+    for name in IGNORED_FIELDS:
+        if getattr(body, name) is not None and name not in logged:
+            logged.add(name)
+            log.warning("ignoring the request field %r: it does not change the output (logged once)", name)
 
 
 def _include_usage(body: GenerationRequest) -> bool:

@@ -1,8 +1,11 @@
 """The OpenAI wire format the server speaks: request and response bodies as pydantic models.
 
 Requests are strict (no type coercion, unknown fields refused) so a client's typo is a 400 that names
-the field, never a silently ignored setting. Extensions beyond OpenAI's API are marked as such:
-``top_k``, ``min_p``, ``ignore_eos`` and ``speculative`` in requests, ``ddtree`` in responses.
+the field, never a silently ignored setting. As in vLLM, fields that cannot change the output (``store``,
+``metadata``, ``user``, ...: ``IGNORED_FIELDS``) are accepted and ignored, and fields that would change it
+in a way this server does not implement (penalties, ``logit_bias``, tools) are refused unless neutral.
+Extensions beyond OpenAI's API are marked as such: ``top_k``, ``min_p``, ``ignore_eos`` and
+``speculative`` in requests, ``ddtree`` in responses.
 """
 
 from __future__ import annotations
@@ -11,14 +14,13 @@ from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from ddtree.params import METHODS
+from ddtree.params import MAX_BUDGET, METHODS
 
 MAX_N = 16  # choices per request; each is a whole generation on the one engine
 MAX_PROMPTS = 16  # prompts in one batched completions request
 MAX_STOP = 16
 MAX_MESSAGES = 2048  # as OpenAI; checked while parsing, before a model is built per message
 MAX_LOGPROBS = 20  # as ddtree.params.MAX_LOGPROBS
-MAX_BUDGET = 4096  # a larger tree only costs the target's verify forward; this bounds one round
 MAX_TOPK = 1 << 20
 INT64 = 1 << 63
 
@@ -73,7 +75,21 @@ class GenerationRequest(_Strict):
     frequency_penalty: float | None = Field(None, allow_inf_nan=False, description="only 0 is supported")
     presence_penalty: float | None = Field(None, allow_inf_nan=False, description="only 0 is supported")
     logit_bias: dict[str, float] | None = Field(None, description="only empty is supported")
+    repetition_penalty: float | None = Field(
+        None, allow_inf_nan=False, description="vLLM's extension; only 1 is supported"
+    )
+    # Accepted and ignored (the server logs each name once): none of them changes the output.
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    prediction: dict | None = Field(None, description="predicted outputs: the output is the same without")
+
+
+IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
+                  "prediction")  # fmt: skip
 
 
 class CompletionRequest(GenerationRequest):
@@ -94,9 +110,15 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    """A message of the conversation. ``tool`` messages (results of calls the client made) and assistant
+    ``tool_calls`` from earlier turns go to the chat template as they are; this server itself never calls
+    tools (``tools`` is refused)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(description="null only for assistant tool_calls")
     name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict] | None = None
 
 
 class ResponseFormat(_Strict):
@@ -257,10 +279,9 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-class Health(BaseModel):
+class Identity(BaseModel):
     """Who answered: a deployer tells an old process from its replacement by pid, instance_id, started_at."""
 
-    status: str = Field(description="liveness: always ok")
     state: Literal["loading", "warming", "ready", "failed"]
     pid: int
     instance_id: str
@@ -268,5 +289,12 @@ class Health(BaseModel):
     uptime_seconds: float
 
 
-class NotReady(ErrorResponse, Health):
-    """``GET /ready`` while loading or warming up: an OpenAI error plus the identity fields."""
+class Health(Identity):
+    """``GET /health`` (and ``GET /ready`` once ready)."""
+
+    status: str = Field(description="liveness: always ok")
+
+
+class NotReady(ErrorResponse, Identity):
+    """``GET /ready`` while loading or warming up: an OpenAI error plus the identity fields (no ``status``:
+    only the error says how the server is)."""

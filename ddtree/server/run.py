@@ -1,16 +1,19 @@
 """``ddtree serve``: bind the port, hand the socket to uvicorn, load the models in the background.
 
 Binding comes first so a taken port fails in a second with a clear message, not after minutes of
-loading weights. SIGTERM (or Ctrl-C) stops accepting connections, lets every in-flight request (running or
-queued) finish for up to ``--shutdown-timeout`` seconds and exits 0. A model that fails to load stops the
-server with exit 2.
+loading weights. SIGTERM (or Ctrl-C) stops accepting connections and lets every in-flight request (running
+or queued) finish for up to ``--shutdown-timeout`` seconds; what is still running then ends the OpenAI way
+(a JSON 503 ``shutting_down``, or for a stream an error event and ``data: [DONE]``). The exit code is 0 when
+every request finished, 1 when some had to be cut. A model that fails to load stops the server with exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import copy
 import errno
+import logging
 import os
 import signal
 import socket
@@ -127,17 +130,50 @@ def log_config(level: str) -> dict:
     return config
 
 
+EXIT_REQUESTS_CUT = 1  # the drain time ran out: some requests ended with a shutting_down error
+FLUSH_SECONDS = 5.0  # after the drain, for the cut requests' error answers to reach their clients
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn whose shutdown drains the engine first: stop accepting, give the requests in flight the
+    drain time, then let the engine worker end the rest with an error their handlers answer properly.
+
+    uvicorn's own graceful timeout cancels the request tasks instead: a 500 with a plain-text body, a
+    stream cut without an error event or ``[DONE]``, and an ASGI traceback in the log.
+    """
+
+    def __init__(self, config: uvicorn.Config, app, drain_seconds: float) -> None:
+        super().__init__(config)
+        self.drain_seconds = drain_seconds
+        self.app_state = app.state.ddtree
+        self.cut = 0  # requests ended by the shutdown
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:
+            server.close()  # no new connections while draining
+        for sock in sockets or []:
+            sock.close()
+        worker, config = self.app_state.worker, self.app_state.config
+        self.cut = await asyncio.to_thread(worker.drain, self.drain_seconds, config.engine_stop_timeout)
+        if self.cut:
+            log = logging.getLogger("ddtree.server")
+            log.warning("shutdown: %d request(s) still running after %g s were ended", self.cut,
+                        self.drain_seconds)  # fmt: skip
+        await super().shutdown(sockets)
+
+
 def run_app(app, sock: socket.socket, shutdown_timeout: float, level: str = "info", access_log: bool = False):
-    """Serve ``app`` on ``sock`` until SIGTERM/SIGINT; returns the uvicorn server once it has stopped."""
+    """Serve ``app`` on ``sock`` until SIGTERM/SIGINT; returns the server once it has stopped (``cut``: the
+    requests its shutdown had to end)."""
     config = uvicorn.Config(
         app,
         log_config=log_config(level),
         log_level=level,
         access_log=access_log,
-        timeout_graceful_shutdown=shutdown_timeout,
+        timeout_graceful_shutdown=FLUSH_SECONDS,
         lifespan="on",
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app, shutdown_timeout)
     app.state.uvicorn = server
     # uvicorn re-raises the signal it caught once it has shut down; with these no-op handlers the process
     # then exits normally (0) instead of dying by the signal.
@@ -196,6 +232,13 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
         step_delay=step_delay,
     )
     app = create_app(load, config, on_load_failed=load_failed)
-    run_app(app, sock, args.shutdown_timeout, args.log_level, args.access_log)
+    server = run_app(app, sock, args.shutdown_timeout, args.log_level, args.access_log)
     if failures:
         raise DDTreeError(f"cannot serve: {failures[0]}")
+    if server.cut:
+        print(
+            f"ddtree serve: {server.cut} request(s) did not finish within --shutdown-timeout "
+            f"{args.shutdown_timeout:g} s and ended with a shutting_down error",
+            file=sys.stderr,
+        )
+        sys.exit(EXIT_REQUESTS_CUT)

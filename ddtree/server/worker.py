@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
 from ddtree.server.generation import Generation, Plan, ServedModel
 from ddtree.server.metrics import Metrics
 
@@ -37,7 +39,8 @@ class QueueFull(Exception):
 
 
 class ShuttingDown(Exception):
-    """The server is stopping and takes no more work."""
+    """The server is stopping: it takes no more work, and what was still running past the drain time ends
+    with this error."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ class EngineWorker:
         self._commands: deque[tuple[str, Job]] = deque()  # ("add" | "abort", job), consumed between steps
         self._jobs: set[Job] = set()  # admitted by submit, not done yet (the 429 limit counts them)
         self._rows: dict[str, Job] = {}  # engine request id -> its job (engine thread only)
+        self._draining = False  # shutting down: no new work, the jobs in flight may finish
         self._stopping = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._main, name="ddtree-engine", daemon=True)
@@ -116,7 +120,7 @@ class EngineWorker:
     def submit(self, job: Job) -> None:
         """Hand ``job`` to the engine thread; raises QueueFull or ShuttingDown instead of waiting."""
         with self._cond:
-            if self._stopping:
+            if self._stopping or self._draining:
                 raise ShuttingDown()
             if len(self._jobs) >= self.capacity:
                 raise QueueFull()
@@ -132,6 +136,19 @@ class EngineWorker:
                 return
             self._commands.append(("abort", job))
             self._cond.notify()
+
+    def drain(self, timeout: float, stop_timeout: float) -> int:
+        """Refuse new work, give the jobs in flight (running or queued) up to ``timeout`` seconds to finish,
+        then stop: the engine thread fails the rest with ShuttingDown, which their requests answer the
+        OpenAI way (a JSON error, or an error event and ``[DONE]``). Returns how many were cut."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._draining = True
+            while self._jobs and deadline > time.monotonic():
+                self._cond.wait(deadline - time.monotonic())
+            cut = len(self._jobs)
+        self.stop(stop_timeout)
+        return cut
 
     def stop(self, timeout: float) -> None:
         """Refuse new work, fail what is left, wait ``timeout`` for the thread.
@@ -163,7 +180,11 @@ class EngineWorker:
             return
         self.engine = model
         self.state = "ready"
-        log.info("engine ready (batches of up to %d requests)", model.engine.max_batch_size)
+        log.info(
+            "engine ready (batches of up to %d requests, %d torch threads)",
+            model.engine.max_batch_size,
+            torch.get_num_threads(),  # this thread's: the one that runs every forward
+        )
         try:
             self._loop(model)
         finally:
@@ -243,6 +264,7 @@ class EngineWorker:
         with self._cond:
             job.done = True
             self._jobs.discard(job)
+            self._cond.notify_all()  # a drain may be waiting for the last job
         job.emit(FINISHED if error is None else Failed(error))
 
     def _fail_all(self, error: BaseException) -> None:

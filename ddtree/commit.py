@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ddtree.detokenize import IncrementalDetokenizer
 from ddtree.errors import DDTreeError
 from ddtree.kv_cache import KVCache
 from ddtree.params import SamplingParams
@@ -65,7 +66,11 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], n: int) -> list[Toke
 
 @dataclass
 class OutputState:
-    """The tokens a request has produced so far and why it stopped, if it has."""
+    """The tokens a request has produced so far, their text, and why it stopped, if it has.
+
+    The text grows incrementally (``ddtree.detokenize``) and stop strings are looked for only where new
+    text could complete one, so a round costs what its new tokens cost, however long the output.
+    """
 
     params: SamplingParams
     eos_token_ids: frozenset[int]
@@ -73,7 +78,6 @@ class OutputState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # aligned with token_ids when requested
     finish_reason: str | None = None
-    stop_text_end: int | None = None  # where the text ends when a stop string was found
 
     def __post_init__(self) -> None:
         if self.params.stop and self.tokenizer is None:
@@ -81,9 +85,16 @@ class OutputState:
         self._stop_ids = set(self.params.stop_token_ids)
         if not self.params.ignore_eos:
             self._stop_ids |= self.eos_token_ids
+        self._detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
+        self._pieces: list[str] = []  # the text, as it came
+        self._unsent = ""  # its end that ``new_text`` has not handed out (a stop string may still cut it)
+        self._tail = ""  # its last (longest stop - 1) characters: where a stop string may begin
+        self._longest_stop = max(map(len, self.params.stop), default=0)
 
     def write(self, tokens: list[int], logprobs: list[TokenLogprobs] | None = None) -> int:
-        """Append ``tokens`` (and their logprobs) up to the first stop; returns how many were taken."""
+        """Append ``tokens`` (and their logprobs) up to the first stop: a stop token (not part of the text),
+        a stop string (the token that completes it is the last one kept; the text ends before the string)
+        or ``max_new_tokens``. Returns how many were kept."""
         taken = 0
         for i, token in enumerate(tokens):
             self.token_ids.append(token)
@@ -93,52 +104,59 @@ class OutputState:
             if token in self._stop_ids:
                 self.finish_reason = "stop"
                 break
+            if self._detokenizer is not None:
+                chunk = self._detokenizer.push(token)
+                if chunk:
+                    if self._add(chunk):
+                        return taken
+                elif self.params.stop and self._add(self._detokenizer.peek(), provisional=True):
+                    # While a character's bytes are held, a decode of the whole output shows U+FFFD for
+                    # them, and a stop string may end there (as it did before the text was incremental).
+                    return taken
             if len(self.token_ids) >= self.params.max_new_tokens:
                 self.finish_reason = "length"
                 break
-        if self.params.stop:
-            self._truncate_at_stop_string(taken)
+        if self.finish_reason is not None and self._detokenizer is not None:
+            self._add(self._detokenizer.flush())  # an unfinished character's bytes, as decode writes them
         return taken
 
-    def _truncate_at_stop_string(self, taken: int) -> None:
-        """If a stop string appeared, keep tokens up to the one that completed it and cut the text there."""
-        first_new = len(self.token_ids) - taken
-        hit = _find_stop(self.text_upto(len(self.token_ids)), self.params.stop)
-        if hit is None:
-            return
-        for count in range(first_new + 1, len(self.token_ids) + 1):  # the token that completed it
-            if _find_stop(self.text_upto(count), self.params.stop) is not None:
-                del self.token_ids[count:]
-                del self.logprobs[count:]
-                break
+    def _add(self, chunk: str, provisional: bool = False) -> bool:
+        """Append new text; True (finished: "stop") when it completes a stop string, the text then ending
+        where that string begins. A ``provisional`` chunk (held bytes, as ``decode`` shows them) is only
+        looked at: it is appended only when a stop string ends in it."""
+        if not chunk:
+            return False
+        cut = None
+        if self.params.stop:
+            window = self._tail + chunk  # a stop string can only end in the new chunk
+            hits = [i for i in (window.find(s) for s in self.params.stop) if i >= 0]
+            if hits:
+                cut = len(window) - min(hits)  # characters to drop from the end
+            elif provisional:
+                return False
+            self._tail = window[max(0, len(window) - self._longest_stop + 1) :]
+        self._pieces.append(chunk)
+        self._unsent += chunk
+        if cut is None:
+            return False
+        self._pieces = ["".join(self._pieces)[:-cut]]  # once per request
+        self._unsent = self._unsent[: len(self._unsent) - cut]  # never sent: it was held as a stop prefix
         self.finish_reason = "stop"
-        self.stop_text_end = _find_stop(self.text_upto(len(self.token_ids)), self.params.stop)
-
-    def text_upto(self, count: int) -> str:
-        ids = self.token_ids[:count]
-        if ids and ids[-1] in self._stop_ids:
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return True
 
     @property
     def text(self) -> str:
-        text = self.text_upto(len(self.token_ids))
-        return text if self.stop_text_end is None else text[: self.stop_text_end]
+        """The whole text so far (cut at the stop string, if one was found)."""
+        return "".join(self._pieces)
 
-    def stable_text(self) -> str:
-        """Text that can be streamed now: no dangling partial character or possible stop-string prefix."""
-        text = self.text
-        if self.finish_reason is not None:
-            return text
-        text = text.rstrip("\ufffd")
-        hold = max((_overlap(text, s) for s in self.params.stop), default=0)
-        return text[: len(text) - hold]
-
-
-def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    """Index where the earliest stop string starts in ``text``, or None."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
+    def new_text(self) -> str:
+        """The text not handed out before that can be streamed now: all of it once finished, else all but
+        an end that may be the start of a stop string."""
+        end = len(self._unsent)
+        if self.finish_reason is None:
+            end -= max((_overlap(self._unsent, s) for s in self.params.stop), default=0)
+        out, self._unsent = self._unsent[:end], self._unsent[end:]
+        return out
 
 
 def _overlap(text: str, stop: str) -> int:

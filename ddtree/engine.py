@@ -198,7 +198,6 @@ class Request:
     root: int = -1
     draft_len: int = 0
     features: list[torch.Tensor] = field(default_factory=list)  # [C_i, F * H] per round not drafted on
-    emitted_text: str = ""  # text already returned in deltas
     auto_width: int = 8  # budget "auto": drafted nodes chosen last time (sizes the next candidate tree)
 
     @property
@@ -1151,12 +1150,10 @@ class Engine:
 
     def _delta(self, r: Request, before: int) -> StreamDelta:
         """What request r's output gained since it held ``before`` tokens."""
-        text = r.output.stable_text()[len(r.emitted_text) :]
-        r.emitted_text += text  # the text streamed so far, without decoding it a second time
         return StreamDelta(
             request_id=r.request_id,
             token_ids=r.output.token_ids[before:],
-            text=text,
+            text=r.output.new_text(),
             finish_reason=r.output.finish_reason,
             stats=r.stats,
             logprobs=r.output.logprobs[before:],

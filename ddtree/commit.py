@@ -81,7 +81,9 @@ class OutputState:
 
     def __post_init__(self) -> None:
         if self.params.stop and self.tokenizer is None:
-            raise DDTreeError("stop strings need a tokenizer; pass stop_token_ids instead")
+            raise DDTreeError(
+                "stop strings need a tokenizer (and detokenize=True); pass stop_token_ids instead"
+            )
         self._stop_ids = set(self.params.stop_token_ids)
         if not self.params.ignore_eos:
             self._stop_ids |= self.eos_token_ids

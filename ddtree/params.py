@@ -83,6 +83,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; n >= 0 = the emitted token's logprob plus the top n
+    detokenize: bool = True  # False: deltas carry token ids only (as vLLM's); the caller makes the text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

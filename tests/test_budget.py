@@ -122,7 +122,7 @@ def test_a_stretch_of_plain_rounds_leaves_the_drafter_as_if_it_had_drafted_throu
     drafting.add_request(prompt, params)
     skipping.step()  # prefill
     drafting.step()
-    skipping.auto_skip = 6  # six plain rounds, then one catch-up pass
+    skipping.scheduler.auto_skip = 6  # six plain rounds, then one catch-up pass
     for _ in range(7):
         skipping.step()
     request = skipping.running[0]

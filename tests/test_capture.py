@@ -132,14 +132,14 @@ def test_padded_rows_and_nodes_change_no_output(eager: Engine):
         span_buckets=[24, 48],
     )
     shapes = []
-    verify = padded._verify_forward
+    verify = padded.runner.verify_forward
 
-    def spy(ids, positions, cols, starts, anc, span):
+    def spy(ids, positions, cols, starts, anc, span, features):
         widest = int(anc.diagonal(dim1=1, dim2=2).sum(-1).max())  # a real node sees itself, padding not
         shapes.append((tuple(ids.shape), span, padded.num_running, widest))
-        return verify(ids, positions, cols, starts, anc, span)
+        return verify(ids, positions, cols, starts, anc, span, features)
 
-    padded._verify_forward = spy
+    padded.runner.verify_forward = spy
     specs = requests(new=40)
     assert run(padded, specs) == run(eager, specs)
     assert {s[0] for s in shapes} <= {(b, n) for b in (3, 4) for n in (4, 7, 13, 17)}
@@ -221,13 +221,13 @@ def test_auto_rows_catch_up_a_long_backlog_with_repeated_fixed_passes(eager: Eng
         cost_model=cost,
     )
     passes = []
-    draft_pass = padded._draft_pass
+    draft_pass = padded.proposer.draft_pass
 
     def spy(slots, b, c, where, fixed):
-        passes.append((len(padded._running[0].stats.acceptance_lengths), fixed))
+        passes.append((len(padded.scheduler.running[0].stats.acceptance_lengths), fixed))
         return draft_pass(slots, b, c, where, fixed)
 
-    padded._draft_pass = spy
+    padded.proposer.draft_pass = spy
     params = SamplingParams(max_new_tokens=90)
     got = padded.generate(PROMPTS[0], params)
     assert got.token_ids == eager.generate(PROMPTS[0], params, method="ar").token_ids

@@ -33,6 +33,7 @@ from transformers.generation.logits_process import (
 from ddtree.budget import CostModel, LinearCost
 from ddtree.drafter import DFlashDrafter, dflash_config
 from ddtree.engine import Engine
+from ddtree.engine.verifier import Verifier
 from ddtree.params import SamplingParams
 
 VOCAB = 6
@@ -160,7 +161,7 @@ def draw(engine: Engine, method: str, params: SamplingParams, samples: int, seed
     """
     draws = Draws(counts=np.zeros(VOCAB**NEW_TOKENS, dtype=np.int64))
     counted: dict[str, list[int]] = {}
-    accept = Engine._accept
+    accept = Verifier.accept
 
     def spy(self, rows, trees, greedy_heads, sampled, retrieves, probs):
         verdicts = accept(self, rows, trees, greedy_heads, sampled, retrieves, probs)
@@ -180,7 +181,7 @@ def draw(engine: Engine, method: str, params: SamplingParams, samples: int, seed
     )
     pending = iter(range(samples))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Engine, "_accept", spy)
+        mp.setattr(Verifier, "accept", spy)
         while True:
             while engine.num_running + engine.num_waiting < BATCH:
                 i = next(pending, None)

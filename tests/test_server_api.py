@@ -351,3 +351,82 @@ def test_token_names_are_the_tokens_utf8_bytes(engine):
             continue
         assert bytes(raw).decode("utf-8", errors="replace") == text
         assert bytes(raw).decode("utf-8", errors="replace") == tokenizer.decode([token_id])
+
+
+class ThreadRecordingTokenizer:
+    """The tokenizer, with the name of the thread behind every tokenizing or detokenizing call."""
+
+    SPIED = {"encode", "decode", "batch_decode", "tokenize", "apply_chat_template", "convert_ids_to_tokens",
+             "convert_tokens_to_ids", "backend_tokenizer", "__call__"}  # fmt: skip
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.calls: list[tuple[str, str]] = []
+
+    def __getattr__(self, name: str):
+        if name in self.SPIED:
+            self.calls.append((threading.current_thread().name, name))
+        return getattr(self._tokenizer, name)
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+
+def test_the_engine_thread_never_tokenizes_or_detokenizes(engine):
+    spy = ThreadRecordingTokenizer(engine.tokenizer)
+    spied = Engine(engine.target, engine.drafter, spy, budget=16)
+    client = start(lambda: spied)
+    try:
+        wait_until_ready(client)
+        spy.calls.clear()  # loading looked at the vocabulary once; from here on, only requests
+        full = client.post(
+            C, json=COMPLETION | {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        ).json()
+        text = full["choices"][0]["text"]
+        stop = text[3:6]
+        bodies = [
+            (C, COMPLETION | {"max_tokens": 12, "n": 2, "logprobs": 2, "stop": [stop], "ignore_eos": True}),
+            (C, COMPLETION | {"max_tokens": 12, "stream": True, "stop": stop, "temperature": 0}),
+            (CH, CHAT | {"max_tokens": 6, "stream": True, "logprobs": True, "top_logprobs": 1}),
+        ]
+        for path, body in bodies:
+            assert client.post(path, json=body).status_code == 200
+    finally:
+        client.__exit__(None, None, None)
+    threads = {thread for thread, _ in spy.calls}
+    assert "ddtree-engine" not in threads, [c for c in spy.calls if c[0] == "ddtree-engine"]
+    assert {"encode", "convert_ids_to_tokens", "backend_tokenizer"} <= {name for _, name in spy.calls}
+
+
+def test_a_stop_string_found_on_the_api_side_aborts_the_row_in_the_engine_within_one_step(engine):
+    steps: list[dict[str, int]] = []  # per step: request id -> tokens its delta carried
+    aborted_at: dict[str, int] = {}  # request id -> steps run before its abort
+
+    class Recording:
+        def __getattr__(self, name: str):
+            return getattr(engine, name)
+
+        def step(self):
+            deltas = engine.step()
+            steps.append({d.request_id: len(d.token_ids) for d in deltas})
+            return deltas
+
+        def abort(self, request_id: str) -> bool:
+            aborted_at[request_id] = len(steps)
+            return engine.abort(request_id)
+
+    client = start(lambda: Recording())
+    try:
+        wait_until_ready(client)
+        body = COMPLETION | {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        text = client.post(C, json=body).json()["choices"][0]["text"]
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        steps.clear()
+        cut = client.post(C, json=body | {"stop": [stop]}).json()["choices"][0]
+    finally:
+        client.__exit__(None, None, None)
+    assert cut["finish_reason"] == "stop" and cut["text"] == text[: text.index(stop)]
+    ((request_id, at),) = aborted_at.items()
+    last_delta = max(i for i, ids in enumerate(steps) if request_id in ids)
+    assert at - (last_delta + 1) <= 1  # the abort came at most one step after the delta with the stop
+    assert engine.num_running == 0

@@ -44,7 +44,7 @@ def _csv(kind: type, what: str):
     def parse(text: str) -> tuple:
         try:
             values = tuple(kind(v.strip()) for v in text.split(",") if v.strip())
-        except ValueError:
+        except (ValueError, argparse.ArgumentTypeError):
             raise argparse.ArgumentTypeError(f"{what} must be a comma-separated list, got {text!r}") from None
         if not values:
             raise argparse.ArgumentTypeError(f"{what} is empty")

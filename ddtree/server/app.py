@@ -104,9 +104,9 @@ def load_model(engine_factory: Callable[[], object]) -> ServedModel:
 
 
 def warm_up(model: ServedModel) -> None:
-    """One short generation, so the first client does not pay for lazy initialisation (and it works)."""
-    prompt = "Hello" if model.engine.tokenizer is not None else [0]
-    model.engine.generate(prompt, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    """One short generation, so the first client does not pay for lazy initialisation (and it works);
+    token ids in and out, as every request on the engine thread."""
+    model.engine.generate([0], SamplingParams(max_new_tokens=2, ignore_eos=True, detokenize=False))
 
 
 def create_app(

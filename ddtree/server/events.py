@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from ddtree.errors import DDTreeError
 from ddtree.server.errors import APIError, ClientGone, error_body, invalid
-from ddtree.server.generation import Piece
+from ddtree.server.generation import Generation, Piece, RowDelta
 from ddtree.server.metrics import Metrics
 from ddtree.server.responses import ChatAnswer, CompletionAnswer
 from ddtree.server.worker import FINISHED, EngineWorker, Failed, Job, ShuttingDown
@@ -69,6 +69,26 @@ async def job_items(
         worker.cancel(job)
         if not ended:  # the client left: noticed here, or by Starlette, which cancelled this task
             metrics.cancelled.labels("disconnect").inc()
+
+
+async def job_pieces(
+    items: AsyncIterator[object], generation: Generation, worker: EngineWorker, job: Job
+) -> AsyncIterator[Piece]:
+    """The request's pieces, made here on the API side from its rows' token ids. A stop string found here
+    ends its row at once and aborts it in the engine at the next step; the job finishes (and the items end)
+    once the engine has let go of every row."""
+    try:
+        async for item in items:
+            assert isinstance(item, RowDelta)
+            piece = generation.piece(item)
+            if piece is None:  # a row already cut here: the engine ran it one more step
+                continue
+            if piece.finish_reason is not None and item.delta.finish_reason is None:
+                worker.abort_rows(job, [item.delta.request_id])
+            yield piece
+    finally:
+        generation.close()
+        await items.aclose()  # type: ignore[attr-defined]
 
 
 async def _client_gone(request: Request) -> None:

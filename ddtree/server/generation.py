@@ -1,8 +1,10 @@
-"""What a request asks of the engine thread (:class:`Plan`) and what comes back (:class:`Started`, pieces).
+"""A request on the API side of the server: its plan, its choices, and its pieces.
 
-Everything here runs on the engine thread, since it touches the engine and its tokenizer: rendering the
-chat prompt, tokenizing, checking the context, adding one engine row per choice (they run side by side,
-each independent; seeded ones use ``seed + index``) and turning each row's deltas into pieces.
+The engine thread only schedules and runs rounds. Everything a tokenizer does happens here, on the API
+side (the event loop and its thread pool), as vLLM's API process and SGLang's tokenizer and detokenizer
+managers do: rendering the chat prompt, tokenizing and checking the context (``plan_choices``, in a worker
+thread), and turning each engine row's token ids into text with stop strings (``Generation.piece``). One
+engine row per choice, each independent; seeded ones use ``seed + index``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 
+from ddtree.commit import OutputState
 from ddtree.errors import DDTreeError
 from ddtree.params import SamplingParams
 from ddtree.server.chat import render_chat
@@ -18,6 +21,7 @@ from ddtree.server.errors import invalid
 from ddtree.server.metrics import Metrics
 from ddtree.server.protocol import SpeculativeStats
 from ddtree.server.tokens import TokenNames
+from ddtree.stats import mean_acceptance_length
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context's end
 FLOOR_LOGPROB = -9999.0  # JSON has no -inf; a token the target gives no mass gets this
@@ -102,86 +106,107 @@ def plan_choices(model: ServedModel, plan: Plan) -> list[Choice]:
 
 
 @dataclass
+class EngineRow:
+    """One engine request of a job: what the engine thread passes to ``add_request``, nothing to tokenize."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams  # no stop strings, detokenize=False: the engine thread makes no text
+
+
+@dataclass(frozen=True)
+class RowDelta:
+    """An engine delta as the engine thread hands it over, with the row's round count at that moment (the
+    engine keeps appending to its stats; the API side reads them up to ``rounds``)."""
+
+    delta: object  # ddtree.engine.StreamDelta, its text empty
+    rounds: int
+
+
+@dataclass
 class _Row:
     index: int
+    output: OutputState  # the API side's text, stop strings and kept tokens of this choice
     tokens: int = 0
     stats: object = None  # the engine's GenerationStats, from the row's latest delta
+    rounds: int = 0
     last_at: float | None = None  # when its latest delta came (inter-token latency)
     finished: bool = False
 
 
 class Generation:
-    """One request's rows in the engine, on the engine thread: adds them, turns each of their deltas into a
-    :class:`Piece`, and counts what they generated (also when the request stops early)."""
+    """One request on the API side: its choices (rendered and tokenized here, off the engine thread), the
+    engine rows they become, and each row's deltas turned into :class:`Piece` s with incremental text and
+    stop strings (a stop string found here ends the row; the caller aborts it in the engine)."""
 
     def __init__(self, model: ServedModel, plan: Plan, metrics: Metrics, request_id: str) -> None:
         self.model = model
         self.plan = plan
         self.metrics = metrics
         self.choices = plan_choices(model, plan)
-        self.rows = {f"{request_id}-{c.index}": _Row(c.index) for c in self.choices}
+        engine = model.engine
+        self.rows = {
+            f"{request_id}-{c.index}": _Row(
+                c.index, OutputState(c.params, engine.eos_token_ids, engine.tokenizer)
+            )
+            for c in self.choices
+        }
         self.prompt_tokens = sum(len(c.prompt_ids) for c in self.choices[:: plan.n])
 
-    def add_to(self, engine) -> Started:
-        """Queue every row in the engine (all or none); DDTreeError for an option the engine refuses."""
-        added = []
-        try:
-            for request_id, choice in zip(self.rows, self.choices, strict=True):
-                engine.add_request(
-                    choice.prompt_ids,
-                    choice.params,
-                    method=self.plan.method,
-                    budget=self.plan.budget,
-                    topk=self.plan.topk,
-                    request_id=request_id,
-                )
-                added.append(request_id)
-        except BaseException:
-            for request_id in added:
-                engine.abort(request_id)
-            raise
-        self.metrics.prompt_tokens.inc(self.prompt_tokens)
-        return Started(self.prompt_tokens)
+    def engine_rows(self) -> list[EngineRow]:
+        """The engine requests, one per choice: token ids, and params that make no text."""
+        return [
+            EngineRow(request_id, c.prompt_ids, replace(c.params, stop=(), detokenize=False))
+            for request_id, c in zip(self.rows, self.choices, strict=True)
+        ]
 
     @property
     def finished(self) -> bool:
         return all(row.finished for row in self.rows.values())
 
-    def piece(self, delta) -> Piece:
-        """The piece for one engine delta of one of this request's rows."""
+    def piece(self, item: RowDelta) -> Piece | None:
+        """The piece for one engine delta of one of this request's rows (None once the row has ended here,
+        as when a stop string cut it while the engine still ran it)."""
+        delta = item.delta
         row = self.rows[delta.request_id]
+        if row.finished:
+            return None
         now = time.perf_counter()
         if row.last_at is not None and delta.token_ids:
             self.metrics.inter_token.observe(now - row.last_at)
         if delta.token_ids:
             row.last_at = now
-        row.tokens += len(delta.token_ids)
-        row.stats = delta.stats
-        done = delta.finish_reason is not None
+        before = len(row.output.token_ids)
+        taken = row.output.write(delta.token_ids, delta.logprobs or None)
+        row.tokens += taken
+        row.stats, row.rounds = delta.stats, item.rounds
+        finish = row.output.finish_reason or delta.finish_reason
         want_logprobs = self.plan.params.logprobs is not None
         piece = Piece(
             row.index,
-            delta.text,
-            len(delta.token_ids),
-            delta.finish_reason,
-            [_token_info(self.model.names, lp) for lp in delta.logprobs] if want_logprobs else [],
-            _stats(delta.stats) if done else None,
+            row.output.new_text(),
+            taken,
+            finish,
+            [_token_info(self.model.names, lp) for lp in row.output.logprobs[before:]]
+            if want_logprobs
+            else [],
+            _stats(row.stats, row.rounds) if finish is not None else None,
         )
-        if done:
+        if finish is not None:
             self._close(row)
         return piece
 
-    def abort(self, engine) -> None:
-        """Take the unfinished rows out of the engine (their rows are free at the next step)."""
-        for request_id, row in self.rows.items():
+    def close(self) -> None:
+        """Count what the unfinished rows generated (the request stops early: disconnect, timeout, error)."""
+        for row in self.rows.values():
             if not row.finished:
-                engine.abort(request_id)
                 self._close(row)
 
     def _close(self, row: _Row) -> None:
         row.finished = True
         if row.stats is not None:
-            self.metrics.record_generation(row.stats.method, row.stats.acceptance_lengths, row.tokens)
+            lengths = row.stats.acceptance_lengths[: row.rounds]
+            self.metrics.record_generation(row.stats.method, lengths, row.tokens)
 
 
 def _encode(engine, prompt: str | list[int], param: str) -> list[int]:
@@ -226,11 +251,12 @@ def _finite(value: float) -> float:
     return value if math.isfinite(value) else FLOOR_LOGPROB
 
 
-def _stats(stats) -> SpeculativeStats:
+def _stats(stats, rounds: int) -> SpeculativeStats:
+    lengths = list(stats.acceptance_lengths[:rounds])
     return SpeculativeStats(
         method=stats.method,
         budget=stats.budget,
-        tau=stats.tau,
-        rounds=stats.rounds,
-        acceptance_lengths=list(stats.acceptance_lengths),
+        tau=mean_acceptance_length(lengths),
+        rounds=len(lengths),
+        acceptance_lengths=lengths,
     )

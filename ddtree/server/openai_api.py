@@ -11,14 +11,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 from fastapi import APIRouter, Request
 
 from ddtree.params import SamplingParams, lossy_threshold_fields
 from ddtree.server.chat import message_dicts
 from ddtree.server.errors import APIError, invalid, unsupported
-from ddtree.server.events import EventStreamResponse, event_stream, job_items
-from ddtree.server.generation import Plan, Started
+from ddtree.server.events import EventStreamResponse, event_stream, job_items, job_pieces
+from ddtree.server.generation import Generation, Plan, Started
 from ddtree.server.limits import check_plan
 from ddtree.server.protocol import (
     IGNORED_FIELDS,
@@ -113,7 +114,11 @@ async def _answer(
     answer.thresholds = lossy_threshold_fields(engine.accept_threshold_single, engine.accept_threshold_acc)
     metrics, config = state.metrics, state.config
     check_plan(plan, model.max_positions, state.token_chars, config.limits)
-    job = Job(plan, asyncio.get_running_loop())
+    # Chat template and tokenizer run here, in the event loop's thread pool: never on the engine thread.
+    rows_id = uuid.uuid4().hex  # its engine rows are "<rows_id>-<choice>"
+    generation = await asyncio.to_thread(Generation, model, plan, metrics, rows_id)
+    options = {"method": plan.method, "budget": plan.budget, "topk": plan.topk}
+    job = Job(generation.engine_rows(), generation.prompt_tokens, asyncio.get_running_loop(), **options)
     try:
         state.worker.submit(job)
     except QueueFull:
@@ -136,19 +141,21 @@ async def _answer(
     try:
         started = await anext(items)
     except BaseException:
+        generation.close()
         await items.aclose()
         raise
     assert isinstance(started, Started)
     answer.start(started)
+    pieces = job_pieces(items, generation, state.worker, job)
     if stream:
-        return EventStreamResponse(event_stream(items, answer, first_token))
+        return EventStreamResponse(event_stream(pieces, answer, first_token))
     try:
-        async for piece in items:
+        async for piece in pieces:
             if piece.num_tokens:
                 first_token()
             answer.add(piece)
     finally:
-        await items.aclose()
+        await pieces.aclose()
     return answer.response()
 
 

@@ -1,21 +1,22 @@
 """The one thread that owns the engine: it loads it, warms it up, then runs the continuous batching loop.
 
-The engine is not thread-safe, so nothing else ever touches it (nor its tokenizer). A request becomes a
-:class:`Job`; the event loop hands jobs over through a queue of commands (add, abort) that the engine
-thread consumes between steps. While anything runs or waits, the thread loops ``engine.step()``: every
-running row advances one round, waiting rows join at the next step (up to the engine's
-``max_batch_size``), and each delta is routed by its request id to its job, whose items go back to the
-request's event loop. A job that has taken its place (running or waiting) counts against the limit of
-``max_batch_size + max_queue``; past it, ``submit`` refuses at once (the caller answers 429).
+The engine is not thread-safe, so nothing else ever touches it. The engine thread never tokenizes nor
+makes text: a request arrives as a :class:`Job` of token-id rows (the API side tokenized it) and its
+deltas go back as token ids (the API side detokenizes them). The event loop hands jobs over through a
+queue of commands (add, abort, abort some rows) that the engine thread consumes between steps. While
+anything runs or waits, the thread loops ``engine.step()``: every running row advances one round, waiting
+rows join at the next step (up to the engine's ``max_batch_size``), and each delta is routed by its
+request id to its job, whose items go back to the request's event loop. A job that has taken its place
+(running or waiting) counts against the limit of ``max_batch_size + max_queue``; past it, ``submit``
+refuses at once (the caller answers 429).
 
-Cancelling a job (client gone, timeout) aborts its rows at the next step boundary. A request that fails
-(a bad option the engine refuses, an error turning its output into pieces) fails alone; the others go on.
+Cancelling a job (client gone, timeout, a stop string the API side found) aborts its rows at the next step
+boundary. A request that fails (a bad option the engine refuses) fails alone; the others go on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import threading
 import time
@@ -26,7 +27,7 @@ from typing import Any, Literal
 
 import torch
 
-from ddtree.server.generation import Generation, Plan, ServedModel
+from ddtree.server.generation import EngineRow, RowDelta, ServedModel, Started
 from ddtree.server.metrics import Metrics
 
 log = logging.getLogger("ddtree.server")
@@ -54,21 +55,28 @@ FINISHED = object()  # the last item of a job that ran to its end
 
 
 class Job:
-    """One request: its plan and the channel its items come back on (an asyncio queue on its loop).
+    """One request's engine rows and the channel its items come back on (an asyncio queue on its loop).
 
-    Items: :class:`Started` once its rows are in the engine, then :class:`Piece` s, then FINISHED or a
-    :class:`Failed`.
+    Items: :class:`Started` once its rows are in the engine, then a :class:`RowDelta` per row and step,
+    then FINISHED (every row ended) or a :class:`Failed`.
     """
 
-    _ids = itertools.count()
-
-    def __init__(self, plan: Plan, loop: asyncio.AbstractEventLoop) -> None:
-        self.plan = plan
+    def __init__(
+        self,
+        rows: list[EngineRow],
+        prompt_tokens: int,
+        loop: asyncio.AbstractEventLoop,
+        method: str | None = None,
+        budget: int | str | None = None,
+        topk: int | None = None,
+    ) -> None:
+        self.rows = rows
+        self.prompt_tokens = prompt_tokens
         self.loop = loop
-        self.id = f"job{next(self._ids)}"
+        self.options = {"method": method, "budget": budget, "topk": topk}
         self.items: asyncio.Queue[object] = asyncio.Queue()
         self.enqueued_at = time.perf_counter()
-        self.generation: Generation | None = None  # set on the engine thread once its rows are added
+        self.live: set[str] = set()  # its request ids still in the engine (engine thread only)
         self.running = False  # a row of it has been admitted (it left the queue)
         self.done = False  # finished, failed or aborted; guarded by the worker's lock
 
@@ -101,7 +109,7 @@ class EngineWorker:
         self.state: State = "loading"
         self.load_error: str | None = None
         self.engine: ServedModel | None = None
-        self._commands: deque[tuple[str, Job]] = deque()  # ("add" | "abort", job), consumed between steps
+        self._commands: deque[tuple[str, Job, tuple[str, ...]]] = deque()  # consumed between steps
         self._jobs: set[Job] = set()  # admitted by submit, not done yet (the 429 limit counts them)
         self._rows: dict[str, Job] = {}  # engine request id -> its job (engine thread only)
         self._draining = False  # shutting down: no new work, the jobs in flight may finish
@@ -125,7 +133,7 @@ class EngineWorker:
             if len(self._jobs) >= self.capacity:
                 raise QueueFull()
             self._jobs.add(job)
-            self._commands.append(("add", job))
+            self._commands.append(("add", job, ()))
             self._count()
             self._cond.notify()
 
@@ -134,7 +142,16 @@ class EngineWorker:
         with self._cond:
             if job.done or self._stopping:
                 return
-            self._commands.append(("abort", job))
+            self._commands.append(("abort", job, ()))
+            self._cond.notify()
+
+    def abort_rows(self, job: Job, request_ids: list[str]) -> None:
+        """End some rows of ``job`` (a stop string the API side found): they leave the engine at the next
+        step boundary, within one step."""
+        with self._cond:
+            if job.done or self._stopping:
+                return
+            self._commands.append(("abort_rows", job, tuple(request_ids)))
             self._cond.notify()
 
     def drain(self, timeout: float, stop_timeout: float) -> int:
@@ -199,11 +216,13 @@ class EngineWorker:
                 if self._stopping:
                     return
                 commands, self._commands = self._commands, deque()
-            for kind, job in commands:
+            for kind, job, request_ids in commands:
                 if kind == "add":
-                    self._add(model, job)
-                else:
+                    self._add(engine, job)
+                elif kind == "abort":
                     self._finish(job, abort=True)
+                else:
+                    self._end_rows(engine, job, request_ids)
             self._count()
             if self._rows:  # the worker's own rows: it steps only for its requests
                 if self.step_delay > 0:
@@ -211,18 +230,31 @@ class EngineWorker:
                 self._step(engine)
                 self._count()
 
-    def _add(self, model: ServedModel, job: Job) -> None:
-        """Check the request and queue its rows in the engine; a request the engine refuses fails alone."""
+    def _add(self, engine, job: Job) -> None:
+        """Queue the job's rows in the engine (all or none); a request the engine refuses fails alone."""
         try:
-            job.generation = Generation(model, job.plan, self.metrics, job.id)
-            started = job.generation.add_to(model.engine)
+            for row in job.rows:
+                engine.add_request(row.prompt_ids, row.params, request_id=row.request_id, **job.options)
+                job.live.add(row.request_id)
         except Exception as exc:  # a 400 (or a bug) for this request only
-            job.generation = None
-            self._finish(job, error=exc)
+            self._finish(job, error=exc, abort=True)
             return
-        for request_id in job.generation.rows:
+        for request_id in job.live:
             self._rows[request_id] = job
-        job.emit(started)
+        self.metrics.prompt_tokens.inc(job.prompt_tokens)
+        job.emit(Started(job.prompt_tokens))
+
+    def _end_rows(self, engine, job: Job, request_ids: tuple[str, ...]) -> None:
+        for request_id in request_ids:
+            if request_id in job.live:
+                engine.abort(request_id)
+                self._forget(job, request_id)
+        if not job.live:
+            self._finish(job)
+
+    def _forget(self, job: Job, request_id: str) -> None:
+        job.live.discard(request_id)
+        self._rows.pop(request_id, None)
 
     def _step(self, engine) -> None:
         start, rows = time.perf_counter(), engine.num_running
@@ -243,24 +275,20 @@ class EngineWorker:
             if not job.running:
                 job.running = True
                 self.metrics.queue_wait.observe(time.perf_counter() - job.enqueued_at)
-            try:
-                job.emit(job.generation.piece(delta))
-            except Exception as exc:  # turning its output into pieces failed: this request fails alone
-                log.exception("request %s failed", job.id)
-                self._finish(job, error=exc, abort=True)
-                continue
-            if job.generation.finished:
-                self._finish(job)
+            job.emit(RowDelta(delta, len(delta.stats.acceptance_lengths)))
+            if delta.finish_reason is not None:
+                self._forget(job, delta.request_id)
+                if not job.live:
+                    self._finish(job)
 
     def _finish(self, job: Job, error: BaseException | None = None, abort: bool = False) -> None:
         """The job is done: its rows leave the engine (``abort``), its request gets FINISHED or ``error``."""
         if job.done:
             return
-        if job.generation is not None:
+        for request_id in list(job.live):
             if abort:
-                job.generation.abort(self.engine.engine)
-            for request_id in job.generation.rows:
-                self._rows.pop(request_id, None)
+                self.engine.engine.abort(request_id)
+            self._forget(job, request_id)
         with self._cond:
             job.done = True
             self._jobs.discard(job)

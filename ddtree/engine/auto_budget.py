@@ -1,0 +1,96 @@
+"""The ``budget="auto"`` policy: how many drafted nodes each auto row verifies this round, and when drafting
+does not pay at all. The math (cost model, calibration, the greedy choice) is ``ddtree.budget``'s; this is
+where the engine feeds it what it measured and acts on its answer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ddtree.budget import AcceptanceCalibration, CostModel, choose_counts
+from ddtree.engine.model_runner import ModelRunner
+from ddtree.engine.request import Request
+from ddtree.engine.scheduler import Scheduler
+from ddtree.engine.verifier import Verdict
+from ddtree.tree import DraftTree
+
+AUTO_MAX_BACKOFF = 128  # the longest stretch of plain rounds before "auto" rows draft again
+
+
+class AutoBudget:
+    """Chooses auto rows' tree sizes from expected tokens per second; learns from every round."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, cost_model: CostModel | None, now) -> None:
+        self.runner = runner
+        self.scheduler = scheduler  # its auto_skip: plain rounds left for auto rows
+        self.now = now
+        self.cost = cost_model or CostModel()  # measured at the first auto round, then kept current
+        self.calibration = AcceptanceCalibration()
+        self._costs_measured = False
+        self._auto_backoff = 0  # length of the last stretch of plain rounds: 1, 2, 4, ... AUTO_MAX_BACKOFF
+
+    def choose(self, rows: list[Request], trees: list[DraftTree], draft_rows: int) -> list[DraftTree]:
+        """Cut every "auto" row's candidate tree to the prefix of its pop order that maximises the batch's
+        expected tokens per second (ddtree.budget), and start a stretch of plain rounds for the auto rows
+        when even the best pick loses to a round without the drafter."""
+        if not (self._costs_measured or self.cost.frozen):
+            self._measure_costs(len(rows))
+        auto = [i for i, r in enumerate(rows) if r.auto and trees[i].num_nodes > 1]
+        base = float(len(rows))  # every row commits at least its bonus token
+        for i, tree in enumerate(trees):
+            if i not in auto and tree.num_nodes > 1:
+                base += self._expected_accepts(rows[i], tree.logw[1:].exp().numpy()).sum()
+        widest_fixed = max((t.num_nodes for i, t in enumerate(trees) if i not in auto), default=1)
+        b = len(rows)
+
+        def seconds(total: np.ndarray, widest: np.ndarray) -> np.ndarray:
+            width = np.maximum(widest + 1, widest_fixed)  # the forward pads every row to the widest tree
+            return self.cost.round_seconds(b * width, draft_rows)
+
+        probs = [trees[i].logw[1:].exp().numpy() for i in auto]  # [n_i] path probabilities, pop order
+        gains = [self._expected_accepts(rows[i], p) for i, p in zip(auto, probs, strict=True)]
+        counts = choose_counts(probs, gains, base, seconds)
+        # Drafting pays when the chosen trees beat a plain round that skips the drafter altogether.
+        chosen_gain = base + sum(g[:k].sum() for g, k in zip(gains, counts, strict=True))
+        widest = max(counts, default=0)
+        rate = chosen_gain / seconds(np.array(sum(counts)), np.array(widest))
+        plain_rate = base / self.cost.round_seconds(b * widest_fixed, draft_rows - len(auto))
+        # The drafter pass costs about the same for one row as for all, so the stretch is batch-wide.
+        if rate < plain_rate:  # back off: 1, 2, 4, ... plain rounds, then probe again
+            self._auto_backoff = min(max(2 * self._auto_backoff, 1), AUTO_MAX_BACKOFF)
+            self.scheduler.auto_skip = self._auto_backoff
+        else:
+            self._auto_backoff = 0
+        out = list(trees)
+        for i, k in zip(auto, counts, strict=True):
+            out[i] = trees[i].prefix(k + 1)
+            rows[i].auto_width = k
+        return out
+
+    def _expected_accepts(self, r: Request, probs: np.ndarray) -> np.ndarray:
+        return self.calibration.calibrate("greedy" if r.params.greedy else "sampled", probs)
+
+    def learn(self, rows: list[Request], trees: list[DraftTree], verdicts: list[Verdict]) -> None:
+        """Record each row's drafted nodes and calibrate draft path probabilities against what the target
+        accepted (ddtree rows)."""
+        for r, tree, (nodes, _) in zip(rows, trees, verdicts, strict=True):
+            r.stats.drafted_nodes.append(tree.num_nodes - 1)
+            if r.method != "ddtree" or tree.num_nodes == 1:
+                continue
+            accepted = np.zeros(tree.num_nodes - 1, dtype=bool)
+            accepted[[j - 1 for j in nodes[1:]]] = True
+            kind = "greedy" if r.params.greedy else "sampled"
+            self.calibration.observe(kind, tree.logw[1:].exp().numpy(), accepted)
+
+    def observe(self, verified_tokens: int, verify_seconds: float, draft_rows: int, draft_seconds: float,
+                round_seconds: float) -> None:  # fmt: skip
+        """A timed round's costs, for the cost model's online fit."""
+        self.cost.observe(verified_tokens, verify_seconds, draft_rows, draft_seconds, round_seconds)
+
+    def _measure_costs(self, free_row: int) -> None:
+        """Seed the cost model with a few timed forwards in a free cache row (none free: online fit only)."""
+        self._costs_measured = True
+        if free_row >= self.scheduler.max_batch_size:
+            return
+        for tokens in (1, 8, 32, 8, 1, 32):
+            self.cost.verify.observe(tokens, self.runner.timed_forward(free_row, tokens, self.now))

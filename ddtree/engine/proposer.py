@@ -1,0 +1,166 @@
+"""What each row proposes this round: one drafter pass over every drafting row, then each row's tree.
+
+``ddtree`` rows get the best-first tree of their ``budget`` most probable draft prefixes, ``dflash`` rows the
+drafter's argmax chain, ``ar`` rows (and rows that skip the drafter this round) the root alone. The drafter
+also consumes the target features each round committed, so its cache follows the target's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ddtree.capture import pick
+from ddtree.engine.model_runner import ModelRunner
+from ddtree.engine.request import Request
+from ddtree.sampling import SamplingTensors, filtered_probs
+from ddtree.tree import DraftTree, build_ddtree_tree
+
+
+class Proposer:
+    """Drafter passes and trees over the model runner's drafter and drafter cache."""
+
+    def __init__(
+        self, runner: ModelRunner, max_model_len: int, auto_max_budget: int, sampling_aware_trees: bool
+    ) -> None:
+        self.runner = runner
+        self.max_model_len = max_model_len
+        self.auto_max_budget = auto_max_budget
+        # When on, sampled rows build their tree from the drafter's distribution under the request's own
+        # sampling transform (verification is unchanged). Off by default: measured, it did not pay.
+        self.sampling_aware_trees = sampling_aware_trees
+
+    def ingest(self, rows: list[Request]) -> None:
+        """Give the drafter the new rows' prompts now, in the prefill's step (whose shapes vary anyway), so a
+        round's drafter pass only ever sees what one round commits."""
+        if rows:
+            first = rows[0].draft_row  # admitted rows take the last drafter rows, in order
+            self.draft_pass(
+                rows, len(rows), max(r.start for r in rows), slice(first, first + len(rows)), fixed=False
+            )
+
+    def draft(self, rows: list[Request], drafter_rows: list[Request]) -> dict[str, torch.Tensor]:
+        """One drafter pass over these rows' [root, MASK x (block_size - 1)]; returns each row's draft
+        logits [depth, V] (depth as deep as its tree can grow).
+
+        A row's context may hold the features of several rounds (budget "auto" skips the drafter while
+        drafting does not pay): the pass catches up on all of them, so the drafter's cache ends up exactly
+        as if it had drafted every round. With fixed shapes the pass covers every drafting row (those not
+        drafting this round idle in it), padded to a batch bucket, with a context of one block: a longer
+        backlog repeats the same pass, and the last one drafts.
+        """
+        if self.runner.fixed_shapes:
+            drafting = {id(r) for r in rows}
+            slots = [r if id(r) in drafting else None for r in drafter_rows]  # index = drafter cache row
+            b = pick(self.runner.batch_buckets, len(slots))
+            hidden = self.draft_pass(slots, b, self.runner.drafter.block_size, slice(0, b), fixed=True)
+            while any(r.features for r in rows):
+                hidden = self.draft_pass(slots, b, self.runner.drafter.block_size, slice(0, b), fixed=True)
+            index = [r.draft_row for r in rows]
+        else:
+            cache_rows = [r.draft_row for r in rows]
+            contiguous = cache_rows == list(range(cache_rows[0], cache_rows[0] + len(rows)))
+            where = (
+                slice(cache_rows[0], cache_rows[0] + len(rows))
+                if contiguous
+                else torch.tensor(cache_rows, device=self.runner.device)
+            )
+            width = max(sum(x.shape[0] for x in r.features) for r in rows)
+            hidden = self.draft_pass(rows, len(rows), width, where, fixed=False)
+            index = list(range(len(rows)))
+        depths = [self.depth(r) for r in rows]
+        hidden = hidden[index, 1 : 1 + max(depths)].to(self.runner.draft_head.dtype)  # [B, depth, H]
+        logits = F.linear(
+            hidden, self.runner.draft_head, self.runner.draft_head_bias
+        ).float()  # [B, depth, V]
+        return {r.request_id: logits[i, : depths[i]] for i, r in enumerate(rows)}
+
+    def draft_pass(
+        self,
+        slots: list[Request | None],
+        b: int,
+        c: int,
+        where: slice | torch.Tensor,
+        fixed: bool,
+        span: int | None = None,
+    ) -> torch.Tensor:
+        """One drafter forward over ``b`` cache rows (``fixed``: a captured shape and span bucket).
+
+        Slot i (its request, or None to idle) consumes up to ``c`` of its pending context features and
+        places its block right after them. Returns the blocks' hidden states [b, S, H]; a row's drafts are
+        valid once its whole context is consumed.
+
+        Idle and padding rows write only the scratch column and see column 0, so they stay finite and
+        change nothing.
+        """
+        bs, device = self.runner.drafter.block_size, self.runner.device
+        scratch = self.runner.draft_cache.scratch
+        width = len(self.runner.drafter.target_layer_ids) * self.runner.embed.embedding_dim
+        features = torch.zeros(b, c, width, dtype=self.runner.dtype, device=device)  # [b, C, F * H]
+        block = np.full((b, bs), self.runner.drafter.mask_token_id, dtype=np.int64)  # [b, S]
+        ctx_positions = np.zeros((b, c), dtype=np.int64)
+        ctx_cols = np.full((b, c), scratch, dtype=np.int64)
+        block_cols = np.full((b, bs), scratch, dtype=np.int64)
+        block_positions = np.broadcast_to(np.arange(bs), (b, bs))
+        ends = np.ones(b, dtype=np.int64)
+        for i, r in enumerate(slots):
+            if r is None:
+                continue
+            pending = torch.cat(r.features) if len(r.features) > 1 else r.features[0] if r.features else None
+            k = 0 if pending is None else min(c, pending.shape[0])
+            if k:
+                features[i, :k] = pending[:k]
+                ctx_cols[i, :k] = ctx_positions[i, :k] = r.draft_len + np.arange(k)
+                r.draft_len += k
+                r.features = [pending[k:]] if pending.shape[0] > k else []
+            block[i, 0] = r.root
+            block_cols[i] = r.draft_len + np.arange(bs)  # after the consumed context
+            ends[i] = r.draft_len + bs
+        inputs = self.runner.inputs.load(
+            fixed,
+            block=block,
+            features=features,
+            ctx_positions=ctx_positions,
+            ctx_cols=ctx_cols,
+            block_positions=np.where(block_cols == scratch, block_positions, block_cols),
+            block_cols=block_cols,
+            ends=ends,
+        )
+        if fixed:
+            span = span or self.runner.draft_span(int(ends.max()))
+        else:
+            span = int(ends.max())
+        return (self.runner.draft_forward if fixed else self.runner.draft_forward_eager)(*inputs, where, span)
+
+    def room(self, r: Request) -> int:
+        """Tree nodes row r can still hold: its cache columns from ``start`` to the capacity."""
+        return self.max_model_len - r.start
+
+    def budget(self, r: Request) -> int:
+        """Nodes of the tree built this round; for "auto", candidates: a few more than chosen last time
+        (building candidates costs host time whether or not they are verified)."""
+        return min(self.auto_max_budget, r.auto_width + 4) if r.auto else r.budget
+
+    def depth(self, r: Request) -> int:
+        # A tree of `budget` nodes is at most `budget` deep: deeper rows would never be read.
+        block = self.runner.drafter.block_size - 1
+        depth = block if r.method == "dflash" else min(self.budget(r), block)
+        return max(1, min(depth, self.room(r) - 1))
+
+    def tree(self, r: Request, draft_logits: torch.Tensor | None) -> DraftTree:
+        """Row r's tree: the root alone (``ar``, or no draft this round), the argmax chain (``dflash``) or
+        the best-first tree (``ddtree``; with budget "auto", of ``auto_max_budget`` candidates)."""
+        # Drafted nodes that fit in the row and in the largest node bucket (a tree never changes the output).
+        room = min(self.room(r) - 1, self.runner.max_drafted)
+        if draft_logits is None or room < 1:
+            return DraftTree.root_only(r.root)
+        if r.method == "dflash":
+            depth = min(draft_logits.shape[0], room)
+            return build_ddtree_tree(draft_logits, depth, topk=1, root_token=r.root)
+        if self.sampling_aware_trees and not r.params.greedy:
+            sampling = SamplingTensors.from_params([r.params], draft_logits.device)
+            draft_logits = filtered_probs(draft_logits[None], sampling)[
+                0
+            ].log()  # [depth, V], -inf = filtered
+        return build_ddtree_tree(draft_logits, min(self.budget(r), room), topk=r.topk, root_token=r.root)

@@ -1,0 +1,126 @@
+"""Request state and what the engine hands back: plain dataclasses, no behaviour beyond their own sums.
+
+``Request`` is public so a scheduler (and a curious caller) can see where each request stands; the engine's
+parts own its fields as their docstrings say.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ddtree.commit import OutputState, TokenLogprobs
+from ddtree.params import AUTO, SamplingParams, lossy_threshold_fields
+from ddtree.stats import mean_acceptance_length
+
+STAGES = ("draft", "tree", "inputs", "verify", "accept", "commit")
+
+
+@dataclass
+class GenerationStats:
+    """What a response cost. ``acceptance_lengths`` has one entry per round: accepted drafts + 1.
+
+    Stage, prefill and decode seconds are the wall time of the batched forwards and rounds the request
+    took part in (shared with its batch companions). Stage seconds are measured only when the engine
+    profiles (``Engine(profile=True)``): timing a stage on an accelerator means waiting for it.
+    """
+
+    method: str
+    budget: int | str  # "auto": chosen per round (see drafted_nodes)
+    prompt_tokens: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    drafted_nodes: list[int] = field(default_factory=list)  # drafted nodes verified per round
+    stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_tokens: int = 0
+    accept_thresholds: tuple[float, float] = (1.0, 1.0)  # (single, acc); below 1.0 the output is lossy
+
+    @property
+    def rounds(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length (tokens committed per target forward after prefill)."""
+        return mean_acceptance_length(self.acceptance_lengths)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        out = {
+            "method": self.method,
+            "budget": self.budget,
+            "prompt_tokens": self.prompt_tokens,
+            "rounds": self.rounds,
+            "tau": self.tau,
+            "acceptance_lengths": list(self.acceptance_lengths),
+            "drafted_nodes": list(self.drafted_nodes),
+            "stage_seconds": dict(self.stage_seconds),
+            "prefill_seconds": self.prefill_seconds,
+            "decode_seconds": self.decode_seconds,
+            "decode_tokens": self.decode_tokens,
+            "decode_tokens_per_second": self.decode_tokens_per_second,
+        }
+        return out | lossy_threshold_fields(*self.accept_thresholds)
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: GenerationStats
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # aligned with token_ids when requested
+    request_id: str = ""
+
+
+@dataclass
+class StreamDelta:
+    """What one step added to one request: new token ids and the newly stable text (may be empty)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stats: GenerationStats
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # aligned with token_ids when requested
+
+
+@dataclass
+class Request:
+    """One request's decoding state, public so a scheduler can see it.
+
+    While it runs, the target cache row ``row`` holds its tokens at columns [0, start) and the root (the
+    last committed token, not yet in the cache) sits at position ``start``; a drafting request also owns
+    drafter cache row ``draft_row`` holding [0, draft_len) and the target features of the tokens the drafter
+    has not consumed yet.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    method: str
+    budget: int | str
+    topk: int | None
+    output: OutputState
+    stats: GenerationStats
+    generator: torch.Generator
+    row: int = -1
+    draft_row: int = -1
+    start: int = 0
+    root: int = -1
+    draft_len: int = 0
+    features: list[torch.Tensor] = field(default_factory=list)  # [C_i, F * H] per round not drafted on
+    auto_width: int = 8  # budget "auto": drafted nodes chosen last time (sizes the next candidate tree)
+
+    @property
+    def drafts(self) -> bool:
+        return self.method != "ar"
+
+    @property
+    def auto(self) -> bool:
+        return self.budget == AUTO

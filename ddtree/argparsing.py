@@ -128,16 +128,20 @@ def default_threads(torch_default: int, cores: int, load: float) -> int:
     return max(1, min(torch_default, cores - round(load)))
 
 
+def check_threads(threads: int | None) -> None:
+    """``--threads``' check, before any model is loaded (``serve`` checks before it binds)."""
+    if threads is not None and threads < 1:
+        raise DDTreeError(f"--threads must be >= 1, got {threads}")
+
+
 def apply_threads(threads: int | None) -> int:
     """Set torch's CPU threads from ``--threads`` (None: ``default_threads``); returns the count set."""
     import torch
 
-    if threads is not None:
-        if threads < 1:
-            raise DDTreeError(f"--threads must be >= 1, got {threads}")
-    elif os.environ.get("OMP_NUM_THREADS"):
-        return torch.get_num_threads()  # the user's own choice, already applied by torch
-    else:
+    check_threads(threads)
+    if threads is None:
+        if os.environ.get("OMP_NUM_THREADS"):
+            return torch.get_num_threads()  # the user's own choice, already applied by torch
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
         threads = default_threads(torch.get_num_threads(), cores, load)

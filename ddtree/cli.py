@@ -19,6 +19,7 @@ from ddtree.argparsing import (
     add_threads_option,
     apply_threads,
     check_compile_options,
+    check_threads,
 )
 from ddtree.bench.cli import register_bench
 from ddtree.errors import DDTreeError
@@ -126,15 +127,14 @@ def max_batch_size(args: argparse.Namespace) -> int:
 
 
 def check_engine_flags(args: argparse.Namespace):
-    """The checks that need no model: method, budget, topk, thresholds, device, compile buckets. Returns
-    the device."""
+    """The checks that need no model: method, budget, topk, thresholds, compile buckets, threads, device.
+    Returns the device."""
     from ddtree.models import check_device
 
     check_speculative_options(args.method, args.budget, args.topk)
     check_accept_thresholds(args.accept_threshold_single, args.accept_threshold_acc)
     check_compile_options(args, max_batch_size(args))
-    if args.threads is not None and args.threads < 1:
-        raise DDTreeError(f"--threads must be >= 1, got {args.threads}")
+    check_threads(args.threads)
     return check_device(args.device)
 
 

@@ -122,7 +122,7 @@ class Engine:
         self.profile = profile  # time every stage (waits for the device at each stage boundary)
         self.runner = ModelRunner(target, drafter, max_batch_size, self.max_model_len, draft_dtype)
         self.scheduler = Scheduler(max_batch_size, max_prefill_tokens)
-        self.proposer = Proposer(self.runner, self.max_model_len, auto_max_budget, sampling_aware_trees)
+        self.proposer = Proposer(self.runner, auto_max_budget, sampling_aware_trees)
         self.verifier = Verifier(self.runner, self.accept_threshold_single, self.accept_threshold_acc)
         self.auto = AutoBudget(self.runner, self.scheduler, cost_model, self._now)
         deepest = self.budget if self.budget != AUTO else auto_max_budget

@@ -21,11 +21,8 @@ from ddtree.tree import DraftTree, build_ddtree_tree
 class Proposer:
     """Drafter passes and trees over the model runner's drafter and drafter cache."""
 
-    def __init__(
-        self, runner: ModelRunner, max_model_len: int, auto_max_budget: int, sampling_aware_trees: bool
-    ) -> None:
+    def __init__(self, runner: ModelRunner, auto_max_budget: int, sampling_aware_trees: bool) -> None:
         self.runner = runner
-        self.max_model_len = max_model_len
         self.auto_max_budget = auto_max_budget
         # When on, sampled rows build their tree from the drafter's distribution under the request's own
         # sampling transform (verification is unchanged). Off by default: measured, it did not pay.
@@ -135,7 +132,7 @@ class Proposer:
 
     def room(self, r: Request) -> int:
         """Tree nodes row r can still hold: its cache columns from ``start`` to the capacity."""
-        return self.max_model_len - r.start
+        return self.runner.max_model_len - r.start
 
     def budget(self, r: Request) -> int:
         """Nodes of the tree built this round; for "auto", candidates: a few more than chosen last time

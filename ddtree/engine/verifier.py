@@ -148,12 +148,10 @@ class Verifier:
             verdicts[i] = follow_verified_tree(trees[i], head)
         if sampled:
             # Each row draws from its own generator, in the same order alone or in a batch.
-            coins, finals = [], []
+            coins, finals, device = [], [], self.runner.device
             for i in sampled:
-                coins.append(
-                    torch.rand(trees[i].num_nodes, generator=rows[i].generator, device=self.runner.device)
-                )
-                finals.append(torch.rand((), generator=rows[i].generator, device=self.runner.device))
+                coins.append(torch.rand(trees[i].num_nodes, generator=rows[i].generator, device=device))
+                finals.append(torch.rand((), generator=rows[i].generator, device=device))
             drawn = sample_trees(
                 [trees[i] for i in sampled],
                 [retrieves[i] for i in sampled],

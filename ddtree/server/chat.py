@@ -56,7 +56,7 @@ def plain_prompt(messages: list[dict]) -> str:
 
 
 def render_chat(tokenizer, messages: list[dict]) -> str:
-    """The prompt for ``messages``: runs on the engine thread, where the tokenizer lives."""
+    """The prompt for ``messages``: runs on the API side (a worker thread), never on the engine thread."""
     if tokenizer is None:
         raise invalid("this model has no tokenizer, so it cannot chat; use /v1/completions with token ids")
     if not getattr(tokenizer, "chat_template", None):

@@ -248,7 +248,11 @@ class EngineWorker:
         for request_id in request_ids:
             if request_id in job.live:
                 engine.abort(request_id)
-                self._forget(job, request_id)
+                self._row_ended(job, request_id)
+
+    def _row_ended(self, job: Job, request_id: str) -> None:
+        """A row left the engine; the job finishes with its last one."""
+        self._forget(job, request_id)
         if not job.live:
             self._finish(job)
 
@@ -277,9 +281,7 @@ class EngineWorker:
                 self.metrics.queue_wait.observe(time.perf_counter() - job.enqueued_at)
             job.emit(RowDelta(delta, len(delta.stats.acceptance_lengths)))
             if delta.finish_reason is not None:
-                self._forget(job, delta.request_id)
-                if not job.live:
-                    self._finish(job)
+                self._row_ended(job, delta.request_id)
 
     def _finish(self, job: Job, error: BaseException | None = None, abort: bool = False) -> None:
         """The job is done: its rows leave the engine (``abort``), its request gets FINISHED or ``error``."""

@@ -10,6 +10,7 @@ import argparse
 import os
 
 from ddtree.errors import DDTreeError
+from ddtree.params import DTYPE_CHOICES, memory_size
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -147,3 +148,32 @@ def apply_threads(threads: int | None) -> int:
         threads = default_threads(torch.get_num_threads(), cores, load)
     torch.set_num_threads(threads)
     return threads
+
+
+def add_memory_options(p: argparse.ArgumentParser) -> None:
+    """The model's precision and memory, under vLLM's flag names."""
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="weights and KV cache; auto = the checkpoint's (float32 for bf16/fp16 checkpoints on "
+                   "a CPU without native bf16 matmuls, where it is faster)")  # fmt: skip
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="tokens per request, prompt and output (default: the model's context)")  # fmt: skip
+    p.add_argument("--kv-cache-memory", type=memory_size, default=None, metavar="SIZE",
+                   help="KV cache bytes (4GiB, 512MiB, ...); wins over --gpu-memory-utilization")  # fmt: skip
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                   help="share of the device's memory (on a CPU, of the RAM available) the engine may "
+                   "use: the KV cache gets what weights and activations leave")  # fmt: skip
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
+                   help="tokens a step may prefill; longer prompts are prefilled in chunks, between "
+                   "rounds of the running requests")  # fmt: skip
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+
+
+def memory_options(args: argparse.Namespace) -> dict:
+    """``add_memory_options``' flags as ``Engine`` arguments (``--dtype`` goes to the loader)."""
+    return {
+        "max_model_len": args.max_model_len,
+        "kv_cache_memory": args.kv_cache_memory,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": args.block_size,
+    }

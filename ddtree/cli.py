@@ -16,10 +16,12 @@ from ddtree.argparsing import (
     Parser,
     add_compile_options,
     add_draft_topk,
+    add_memory_options,
     add_threads_option,
     apply_threads,
     check_compile_options,
     check_threads,
+    memory_options,
 )
 from ddtree.bench.cli import register_bench
 from ddtree.errors import DDTreeError
@@ -79,6 +81,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         help="SGLang's threshold_acc: accept when coin < (siblings' target mass) / A; LOSSY below 1.0",
     )
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")  # fmt: skip
+    add_memory_options(p)
     add_threads_option(p)
     add_compile_options(p)
 
@@ -174,9 +177,11 @@ def engine_from_args(args: argparse.Namespace):
         budget=args.budget,
         topk=args.topk,
         device=device,
+        dtype=args.dtype,
         accept_threshold_single=args.accept_threshold_single,
         accept_threshold_acc=args.accept_threshold_acc,
-        max_batch_size=max_batch_size(args),
+        max_num_seqs=max_batch_size(args),
+        **memory_options(args),
         profile=bool(getattr(args, "stats", False)),  # stage seconds cost a device sync per stage
         **compiled,
     )

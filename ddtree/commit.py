@@ -15,12 +15,15 @@ import torch
 
 from ddtree.detokenize import IncrementalDetokenizer
 from ddtree.errors import DDTreeError
-from ddtree.kv_cache import KVCache
+from ddtree.kv_cache import PagedKVCache
 from ddtree.params import SamplingParams
 
 
-def pack_accepted(cache: KVCache, rows: list[int], starts: list[int], paths: list[list[int]]) -> None:
-    """Row ``rows[i]`` keeps the keys/values of its tree nodes ``paths[i]`` at columns ``starts[i] + 0 .. m``.
+def pack_accepted(
+    cache: PagedKVCache, tables: torch.Tensor, starts: list[int], paths: list[list[int]]
+) -> None:
+    """Row i (block table ``tables[i]``) keeps the keys/values of its tree nodes ``paths[i]`` at columns
+    ``starts[i] + 0 .. m``.
 
     A path is m increasing node indices starting with the root (0), which stays where it is. A path that is
     already ``0 .. m - 1`` (a first-child chain, the common case) is in place; the others move together in
@@ -28,8 +31,8 @@ def pack_accepted(cache: KVCache, rows: list[int], starts: list[int], paths: lis
     clearing: the next round's mask hides everything past a row's committed tokens.
     """
     moved = [
-        (row, start, path)
-        for row, start, path in zip(rows, starts, paths, strict=True)
+        (i, start, path)
+        for i, (start, path) in enumerate(zip(starts, paths, strict=True))
         if path[-1] != len(path) - 1
     ]
     if not moved:
@@ -38,8 +41,9 @@ def pack_accepted(cache: KVCache, rows: list[int], starts: list[int], paths: lis
     pad = [cache.scratch] * width
     src = [[start + j for j in path] + pad[len(path) :] for _, start, path in moved]  # [K, width]
     dst = [list(range(start, start + len(path))) + pad[len(path) :] for _, start, path in moved]
-    device = cache.keys[0].device
-    cache.move_cols(*(torch.tensor(x, device=device) for x in ([row for row, _, _ in moved], src, dst)))
+    device = tables.device
+    rows = torch.tensor([i for i, _, _ in moved], device=device)
+    cache.move_cols(tables[rows], *(torch.tensor(x, device=device) for x in (src, dst)))
 
 
 @dataclass

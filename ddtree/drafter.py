@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub.errors import StrictDataclassError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Qwen3Config
@@ -209,15 +210,24 @@ class DFlashDrafter(nn.Module):
             raw = json.loads(config_path.read_text())
         except json.JSONDecodeError as exc:
             raise DDTreeError(f"drafter config {config_path} is not valid JSON: {exc.msg}") from None
+        # Newer DFlash configs keep block_size in dflash_config only (the reference reads both).
+        raw.setdefault("block_size", (raw.get("dflash_config") or {}).get("block_size"))
         missing = [
-            k for k in ("block_size", "num_target_layers", "hidden_size", "num_hidden_layers") if k not in raw
+            k
+            for k in ("block_size", "num_target_layers", "hidden_size", "num_hidden_layers")
+            if raw.get(k) is None
         ]
         if missing:
             raise DDTreeError(
                 f"drafter config {config_path} is not a DFlash config: missing {', '.join(missing)}"
             )
         raw.pop("model_type", None)
-        model = cls(Qwen3Config(**raw))
+        try:  # other keys (layer_types, is_causal, auto_map, ...) become attributes, as in HF
+            config = Qwen3Config(**raw)
+        except (StrictDataclassError, TypeError, ValueError) as exc:
+            reason = str(exc).strip().splitlines()[-1].strip()
+            raise DDTreeError(f"drafter config {config_path} is invalid: {reason}") from None
+        model = cls(config)
         state = load_file(str(weights_path))
         result = model.load_state_dict(state, strict=False)
         missing_keys = [k for k in result.missing_keys if "rotary_emb" not in k]

@@ -1,10 +1,10 @@
-"""The target's forward for the engine: HF's own layers and weights, our attention over ``KVCache``.
+"""The target's forward for the engine: HF's own layers and weights, our attention over the paged KV cache.
 
 The engine owns this loop (as gpt-fast, vLLM and SGLang own theirs) because a batch of requests needs what
-HF's cache and mask plumbing does not give: each row writes its tokens at its own columns of a fixed buffer
-and attends through a mask built once per round. Everything else (projections, q/k norms, rotary tables,
-MLPs, norms) is the HF module itself, so Qwen3, Qwen2 and Llama checkpoints run unchanged; HF's forward stays
-the oracle the tests compare against.
+HF's cache and mask plumbing does not give: each row writes its tokens into its own KV blocks and attends
+through a mask built once per round. Everything else (projections, q/k norms, rotary tables, MLPs, norms)
+is the HF module itself, so Qwen3, Qwen3-MoE, Qwen2, Llama and Mistral checkpoints run unchanged; HF's
+forward stays the oracle the tests compare against.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ddtree.errors import DDTreeError
-from ddtree.kv_cache import CacheWrite, KVCache
+from ddtree.kv_cache import CacheWrite
 
 
 class TargetForward:
@@ -35,12 +35,6 @@ class TargetForward:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.scaling = attn.scaling
-
-    def new_cache(self, rows: int, capacity: int) -> KVCache:
-        weight = self.embed.weight
-        return KVCache(
-            len(self.layers), rows, self.num_kv_heads, self.head_dim, capacity, weight.dtype, weight.device
-        )
 
     def __call__(
         self,

@@ -1,91 +1,119 @@
-"""Fixed-capacity key/value caches for a batch of requests, allocated once (gpt-fast's ``setup_caches``).
+"""Paged key/value caches: one pool of fixed-size blocks per layer, a block table per request (vLLM's
+PagedAttention layout, nano-vllm's ``BlockManager`` accounting in ``ddtree.engine.block_manager``).
 
-One buffer per layer holds keys (and one values) as ``[rows, kv_heads, capacity + 1, D]``. A request owns a
-row while it runs; its tokens sit at columns ``0 .. length`` of that row. A forward writes its new tokens at
-per-row columns (a tree's nodes right after the row's committed tokens) and attends over the first ``span``
-columns, with a mask that hides everything a row must not see. Column ``capacity`` is scratch: padding
-tokens (rows with fewer nodes than the batch's widest tree) write there, and no mask ever shows it.
+A pool holds keys (and one values) as ``[num_blocks, block_size, kv_heads, D]``. A request's token at column
+``c`` lives in block ``table[c // block_size]`` at offset ``c % block_size``; its table has ``width`` entries
+(enough for the longest request) plus one, and entries it does not own are block 0, the **scratch block**,
+which the allocator never hands out. Padding tokens write to the **scratch column** ``width * block_size``
+(the table's last entry, so block 0); a masked column read through an unowned entry reads block 0 too, and
+since it only ever holds zeros or real keys/values, ``0 x value`` stays finite.
 
-Nothing is reallocated while decoding: a round costs the same whatever the requests' lengths, and the shapes
-a forward sees depend only on the batch, its widest tree and its longest row.
+A forward reads each row's first ``span`` columns (a multiple of ``block_size``) by gathering its blocks;
+the mask hides every column the row must not see. The target and the drafter have a pool each, indexed by
+the same block tables: one allocation covers a request in both models.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
-class KVCache:
-    """Keys and values of ``num_layers`` layers for up to ``rows`` requests of up to ``capacity`` tokens."""
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero-filled tensor. On the CPU it comes from ``calloc`` (through numpy), whose large allocations
+    the kernel zero-fills page by page on first touch: a pool sized for the whole budget costs resident
+    memory only for the blocks requests actually use (``torch.zeros`` would write every page up front)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
+class PagedKVCache:
+    """Keys and values of ``num_layers`` layers in ``num_blocks`` blocks of ``block_size`` tokens."""
 
     def __init__(
         self,
         num_layers: int,
-        rows: int,
+        num_blocks: int,
+        block_size: int,
+        width: int,
         kv_heads: int,
         head_dim: int,
-        capacity: int,
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        self.capacity = capacity
-        shape = (rows, kv_heads, capacity + 1, head_dim)
-        # Zeros, not empty: a masked column still enters attention as 0 x value, and uninitialised memory
-        # may hold NaN bit patterns.
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.width = width  # block-table entries a request may own; the table has one more (scratch)
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.keys = [zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.values = [zeros(shape, dtype, device) for _ in range(num_layers)]
 
     @property
     def scratch(self) -> int:
-        """The column padding writes to; never inside any row's visible span."""
-        return self.capacity
+        """The column padding writes to: the table's last entry, always the scratch block."""
+        return self.width * self.block_size
 
-    def at(self, rows: slice, cols: torch.Tensor, span: int) -> CacheWrite:
-        return CacheWrite(self, rows, cols, span)
+    @property
+    def capacity(self) -> int:
+        """Columns a request may own (the most attention ever reads)."""
+        return self.width * self.block_size
 
-    def copy_row(self, src: int, dst: int, length: int) -> None:
-        """Move a request's first ``length`` columns to another row (compaction when a row is freed)."""
-        for buf in (*self.keys, *self.values):
-            buf[dst, :, :length] = buf[src, :, :length]
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
-    def move_cols(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """For each row ``rows[i]``, copy columns ``src[i]`` to ``dst[i]`` ([K] rows, [K, M] columns).
+    def at(self, tables: torch.Tensor, cols: torch.Tensor, span: int) -> CacheWrite:
+        return CacheWrite(self, tables, cols, span)
+
+    def slots(self, tables: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """Flat pool slots [B, T] of columns ``cols`` [B, T] under block tables ``tables`` [B, width + 1]."""
+        bs = self.block_size
+        return tables.gather(1, torch.div(cols, bs, rounding_mode="floor")) * bs + cols % bs
+
+    def move_cols(self, tables: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """For each row i of ``tables`` [K, width + 1], copy its columns ``src[i]`` to ``dst[i]`` ([K, M]).
 
         The accepted path of a tree sits scattered through the tree's columns; this packs it right after
         the committed tokens, for every row of the batch in one gather and one scatter per buffer. The
         gather reads before the scatter writes, so overlapping moves are safe; rows with shorter paths pad
         ``src`` and ``dst`` with the scratch column.
         """
-        r = rows[:, None]  # [K, 1], broadcast against the [K, M] columns
-        for buf in (*self.keys, *self.values):  # [R, kv_heads, C + 1, D]
-            buf[r, :, dst] = buf[r, :, src]  # [K, M, kv_heads, D] gathered, then scattered
+        src_slots, dst_slots = self.slots(tables, src), self.slots(tables, dst)  # [K, M] each
+        for buf in (*self.keys, *self.values):
+            flat = buf.view(-1, *buf.shape[2:])  # [num_blocks * block_size, kv_heads, D]
+            flat[dst_slots] = flat[src_slots]  # [K, M, kv_heads, D] gathered, then scattered
 
 
 @dataclass
 class CacheWrite:
-    """Where one forward's new keys/values go: cache rows ``rows``, columns ``cols`` [B, T] (per row, per
-    token; the scratch column for padding), and how many leading columns attention reads (``span``)."""
+    """Where one forward's new keys/values go: columns ``cols`` [B, T] (the scratch column for padding)
+    of the rows whose block tables are ``tables`` [B, width + 1], and how many leading columns attention
+    reads (``span``, a multiple of the block size)."""
 
-    cache: KVCache
-    rows: slice | torch.Tensor  # a slice (views, the common case) or [B] row indices (a subset of rows)
+    cache: PagedKVCache
+    tables: torch.Tensor  # [B, width + 1] int64
     cols: torch.Tensor  # [B, T] int64
     span: int
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k/v [B, kv_heads, T, D]; return the rows' keys/values [B, kv_heads, span, D] (views, or
-        copies of the first ``span`` columns when ``rows`` picks a subset).
+    def __post_init__(self) -> None:
+        self.slots = self.cache.slots(self.tables, self.cols)  # [B, T], shared by every layer
+        self.read = self.tables[:, : self.span // self.cache.block_size]  # [B, span / block_size]
 
-        One indexed write into the whole buffer per tensor: compiled, it stays in place (a write through a
-        view of the buffer makes torch.compile copy every row it spans back, each layer).
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k/v [B, kv_heads, T, D]; return the rows' first ``span`` columns of keys/values
+        [B, kv_heads, span, D], gathered from their blocks.
+
+        One indexed write into the whole pool per tensor: compiled, it stays in place (a write through a
+        view makes torch.compile copy what the view spans back, each layer).
         """
-        if isinstance(self.rows, torch.Tensor):
-            r = self.rows[:, None]  # [B, 1] against cols [B, T]
-        else:
-            r = torch.arange(self.rows.start, self.rows.stop, device=self.cols.device)[:, None]
         out = []
+        b = self.tables.shape[0]
         for buf, new in ((self.cache.keys[layer], k), (self.cache.values[layer], v)):
-            buf[r, :, self.cols] = new.transpose(1, 2).to(buf.dtype)  # [B, T, kv_heads, D]
-            out.append(buf[self.rows, :, : self.span])
+            flat = buf.view(-1, *buf.shape[2:])  # [num_blocks * block_size, kv_heads, D]
+            flat[self.slots] = new.transpose(1, 2).to(buf.dtype)  # [B, T, kv_heads, D]
+            rows = buf[self.read]  # [B, span / block_size, block_size, kv_heads, D]
+            out.append(rows.view(b, self.span, *buf.shape[2:]).transpose(1, 2))
         return out[0], out[1]

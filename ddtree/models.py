@@ -11,7 +11,19 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ddtree.drafter import DFlashDrafter
 from ddtree.errors import DDTreeError
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+# Model types whose HF modules the engine's forward (ddtree.forward.TargetForward) runs exactly.
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama", "mistral")
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")  # for argparse; resolve_dtype takes aliases too
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
 ASSETS = Path(__file__).parent / "assets" / "default"
 DEFAULT_TARGET = ASSETS / "target"
 DEFAULT_DRAFTER = ASSETS / "drafter"
@@ -63,10 +75,98 @@ def _read_config(directory: Path, what: str) -> dict:
         raise DDTreeError(f"{what} config {path} is not valid JSON: {exc.msg}") from None
 
 
+def resolve_dtype(
+    name: str | torch.dtype | None, config: dict, device: str | torch.device = "cpu"
+) -> torch.dtype:
+    """The dtype to load weights in: ``name`` (vLLM's names and aliases), or for "auto" (and None) the
+    checkpoint's own ``dtype`` / ``torch_dtype`` (float32 if absent). On a CPU without native bf16 matmuls
+    "auto" gives float32 for a half-precision checkpoint: there half precision is emulated, and slower."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name is None or name == "auto":
+        stored = config.get("dtype") or config.get("torch_dtype") or "float32"
+        dtype = _DTYPES.get(str(stored).removeprefix("torch."))
+        if dtype is None:
+            raise DDTreeError(
+                f"checkpoint dtype {stored!r} is not one of {', '.join(DTYPE_CHOICES[1:])}; pass a dtype"
+            )
+        cpu = torch.device(device).type == "cpu"
+        if dtype != torch.float32 and cpu and not torch.cpu._is_avx512_bf16_supported():
+            return torch.float32
+        return dtype
+    dtype = _DTYPES.get(str(name).lower())
+    if dtype is None:
+        raise DDTreeError(
+            f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_CHOICES)} "
+            "(or bf16, fp16, half, fp32, float)"
+        )
+    return dtype
+
+
+def _sliding_window(config: dict) -> int | None:
+    """The attention window in effect, as HF reads it: Qwen's ``use_sliding_window: false`` turns
+    ``sliding_window`` off; Mistral has no such switch, so a non-null window is on."""
+    return config.get("sliding_window") if config.get("use_sliding_window", True) else None
+
+
+def check_target_attention(config: dict, name: str | Path, max_model_len: int | None = None) -> None:
+    """Refuse a target whose attention the engine's full-attention forward would not reproduce: a window
+    shorter than the context it can see (``max_model_len``, else ``max_position_embeddings``), or a layer
+    type other than full/sliding attention."""
+    other = sorted(set(config.get("layer_types") or []) - {"full_attention", "sliding_attention"})
+    if other:
+        raise DDTreeError(
+            f"target {name} has layer types {', '.join(other)}; ddtree runs full attention only"
+        )
+    window = _sliding_window(config)
+    context = max_model_len or config.get("max_position_embeddings") or 1 << 30
+    if window is not None and window < context:
+        raise DDTreeError(
+            f"target {name} uses sliding-window attention (window {window} < context {context}); "
+            f"ddtree runs full attention only: pass --max-model-len {window} or less"
+        )
+
+
+def check_drafter_attention(config: dict, name: str | Path, max_model_len: int | None = None) -> None:
+    """Refuse a drafter config whose attention ``DFlashDrafter`` (full and bidirectional over context and
+    block) would not reproduce. DFlash's reference makes ``sliding_attention`` layers causal unless the
+    config says ``is_causal: false``; a window is exact when it covers the whole context (``max_model_len``,
+    else the drafter's ``max_position_embeddings``) plus one block."""
+    kinds = list(dict.fromkeys(config.get("layer_types") or ["full_attention"]))
+    is_causal = config.get("is_causal")
+    if is_causal:
+        raise DDTreeError(
+            f"drafter {name} has causal attention (is_causal: true); ddtree's drafter is bidirectional"
+        )
+    if kinds == ["full_attention"]:
+        return
+    window = _sliding_window(config)
+    described = f"drafter {name} has layer types {', '.join(kinds)} (sliding window {window})"
+    if set(kinds) - {"full_attention", "sliding_attention"}:
+        raise DDTreeError(f"{described}; ddtree's drafter runs full attention only")
+    if is_causal is None:
+        raise DDTreeError(
+            f"{described}, causal as the config sets no is_causal: false; "
+            "ddtree's drafter runs bidirectional full attention only"
+        )
+    block = int(config.get("block_size") or (config.get("dflash_config") or {}).get("block_size") or 0)
+    context = (max_model_len or config.get("max_position_embeddings") or 1 << 30) + block
+    if window is not None and window < context:
+        raise DDTreeError(
+            f"{described}: window {window} < context {context} (max_model_len + block size {block}); "
+            f"ddtree's drafter runs full attention only: pass --max-model-len {window - block} or less"
+        )
+
+
 def load_target(
-    directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    directory: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = torch.float32,
+    max_model_len: int | None = None,
 ):
-    """A Qwen3/Llama-family causal LM and its tokenizer (None when the directory has none)."""
+    """A causal LM of a type in SUPPORTED_MODEL_TYPES and its tokenizer (None when the directory has
+    none). ``dtype`` goes through resolve_dtype ("auto" included); ``max_model_len`` is the longest
+    sequence the engine will run, which decides whether a sliding window is exact."""
     directory = Path(directory)
     config = _read_config(directory, "target")
     model_type = config.get("model_type")
@@ -74,6 +174,8 @@ def load_target(
         raise DDTreeError(
             f"target {directory} has model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    check_target_attention(config, directory, max_model_len)
+    dtype = resolve_dtype(dtype, config, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device)
     except (OSError, ValueError) as exc:
@@ -83,13 +185,15 @@ def load_target(
     return model.eval(), tokenizer
 
 
-def load_drafter(directory: str | Path) -> DFlashDrafter:
+def load_drafter(directory: str | Path, max_model_len: int | None = None) -> DFlashDrafter:
+    """A DFlash drafter; ``max_model_len`` as for load_target (a sliding window must cover it + a block)."""
     directory = Path(directory)
     config = _read_config(directory, "drafter")
     if "DFlashDraftModel" not in (config.get("architectures") or []):
         raise DDTreeError(
             f"drafter {directory} is not a DFlash checkpoint (architectures must name DFlashDraftModel)"
         )
+    check_drafter_attention(config, directory, max_model_len)
     return DFlashDrafter.from_pretrained(directory)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from dataclasses import dataclass, field
 
 from ddtree.errors import DDTreeError
@@ -42,6 +43,35 @@ def parse_budget(text: str) -> int | str:
     except ValueError:
         # argparse reports an ArgumentTypeError's own message (any other error as "invalid parse_budget")
         raise argparse.ArgumentTypeError(f"budget must be an integer >= 1 or 'auto', got {text!r}") from None
+
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_UNITS |= {"ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``4GiB``, ``512MiB``, ``8G`` (decimal), ``1e9`` or a plain integer, as vLLM reads them."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?)?b?\s*", str(text).lower())
+        if m is None:
+            raise DDTreeError(f"cannot read a memory size from {text!r}; write e.g. 4GiB, 512MiB or 8G")
+        value = int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+    if value < 1:
+        raise DDTreeError(f"a memory size must be positive, got {text!r}")
+    return value
+
+
+def memory_size(text: str) -> int:
+    """argparse type of ``--kv-cache-memory``."""
+    try:
+        return parse_size(text)
+    except DDTreeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 
 
 def check_accept_thresholds(single: float, acc: float) -> tuple[float, float]:

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from ddtree.drafter import DFlashDrafter, default_target_layer_ids, dflash_config
 from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
-from ddtree.kv_cache import KVCache
+from ddtree.kv_cache import PagedKVCache
 from tests.conftest import MASK, tiny_drafter, tiny_target
 
 
@@ -67,8 +67,8 @@ def test_default_target_layer_ids_follow_dflash(target_layers, draft_layers, exp
 
 
 def test_context_cache_equals_recomputing_the_context():
-    """Feeding the context in two chunks through a cache row equals feeding it at once, and a second row
-    of the same cache, padded and at other columns, gives the same block."""
+    """Feeding the context in two chunks through a paged cache equals feeding it at once, and a second
+    request of the same pool, padded, in other blocks, gives the same block."""
     target = tiny_target()
     drafter = tiny_drafter(target)
     torch.manual_seed(0)
@@ -76,19 +76,29 @@ def test_context_cache_equals_recomputing_the_context():
     block = target.get_input_embeddings()(torch.tensor([[3] + [MASK] * 7]))
     positions = torch.arange(9, 17)[None]
     attn = drafter.layers[0].self_attn
-    cache = KVCache(len(drafter.layers), 2, attn.num_kv_heads, attn.head_dim, 32, torch.float32, "cpu")
+    cache = PagedKVCache(
+        len(drafter.layers), 16, 4, 8, attn.num_kv_heads, attn.head_dim, torch.float32, "cpu"
+    )  # 15 blocks of 4 columns (block 0 is scratch), tables of 8 entries
+    first_table = torch.tensor([[7, 3, 12, 1, 5, 0, 0, 0, 0]])  # scattered, out of order
+    other_table = torch.tensor([[2, 9, 14, 4, 11, 0, 0, 0, 0]])
+
+    def mask(end: int, span: int) -> torch.Tensor:
+        return (torch.arange(span) < end)[None, None, None]  # [1, 1, 1, span]
+
     with torch.inference_mode():
         whole = drafter(block, features, positions, torch.arange(9)[None])
-        first = cache.at(slice(0, 1), torch.arange(12)[None], span=12)  # 4 context + 8 block columns
+        first = cache.at(first_table, torch.arange(12)[None], span=12)  # 4 context + 8 block columns
         drafter(block, features[:, :4], torch.arange(4, 12)[None], torch.arange(4)[None], first)
-        second = cache.at(slice(0, 1), torch.arange(4, 17)[None], span=17)  # 5 more context, then the block
-        chunked = drafter(block, features[:, 4:], positions, torch.arange(4, 9)[None], second)
-        # Row 1 of a batch: same request, its context padded by 3 features that go to the scratch column.
+        second = cache.at(first_table, torch.arange(4, 17)[None], span=20)  # 5 more context, the block
+        chunked = drafter(
+            block, features[:, 4:], positions, torch.arange(4, 9)[None], second, mask(17, 20)
+        )
+        # Another request: same context, padded by 3 features that go to the scratch column.
         padded = torch.cat((features, torch.randn(1, 3, features.shape[2])), dim=1)
         cols = torch.cat((torch.arange(9), torch.full((3,), cache.scratch), torch.arange(9, 17)))[None]
-        mask = (torch.arange(17) < 17)[None, None, None]
         ctx_positions = torch.cat((torch.arange(9), torch.zeros(3, dtype=torch.long)))[None]
-        row = drafter(block, padded, positions, ctx_positions, cache.at(slice(1, 2), cols, 17), mask)
+        write = cache.at(other_table, cols, 20)
+        row = drafter(block, padded, positions, ctx_positions, write, mask(17, 20))
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
     torch.testing.assert_close(row, whole, atol=1e-5, rtol=0)
 

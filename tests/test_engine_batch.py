@@ -169,15 +169,25 @@ def test_batch_never_holds_more_rows_than_max_batch_size():
     assert seen[0] == (3, 4)
 
 
-def test_one_step_prefills_at_most_max_prefill_tokens_unless_one_prompt_is_longer():
-    engine = Engine.from_pretrained(max_prefill_tokens=64, max_model_len=512)
+def test_a_prefill_step_holds_at_most_max_num_batched_tokens_and_longer_prompts_are_chunked():
+    engine = Engine.from_pretrained(max_num_batched_tokens=64, max_model_len=512)
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     for _ in range(5):
         engine.add_request(list(range(2, 22)), params)  # 20 tokens: three fit in 64
-    engine.add_request(list(range(2, 202)), params)  # longer than the bound: admitted alone
-    admitted = []
-    while engine.num_waiting:
-        before = engine.num_waiting
-        engine.step()
-        admitted.append(before - engine.num_waiting)
-    assert admitted == [3, 2, 1]
+    long_id = engine.add_request(list(range(2, 202)), params)  # longer than the bound: chunked
+    prefill = engine.runner.prefill
+    steps = []
+
+    def spy(chunks, tables, features):
+        steps.append([len(ids) for ids, _ in chunks])
+        return prefill(chunks, tables, features)
+
+    engine.runner.prefill = spy
+    results = {}
+    while engine.has_unfinished_requests():
+        results.update((d.request_id, d) for d in engine.step())
+    assert all(len(s) * max(s) <= 64 for s in steps)
+    assert steps[:2] == [[20, 20, 20], [20, 20, 20]]  # the long prompt's first chunk is cut to the rows'
+    assert sum(sum(s) for s in steps) == 5 * 20 + 200  # every prompt token prefilled once
+    assert len(steps) >= 2 + 180 // 64  # the rest of the long prompt, in chunks of at most 64
+    assert results[long_id].finish_reason == "length"

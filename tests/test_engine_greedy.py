@@ -118,18 +118,22 @@ def test_stream_deltas_add_up_to_the_result(pair):
 def test_kv_compaction_leaves_the_cache_of_a_fresh_forward(pair, kept_path):
     """After committing a round, the next logits equal a from-scratch HF forward over the committed tokens.
 
-    The request sits in row 1 of a two-row cache. The deepest path's slots are scattered through the tree
-    block (a real gather); the chain of first children, nodes 0, 1, 2, ..., is already in place."""
+    The request's block table holds scattered, out-of-order blocks of the pool. The deepest path's slots
+    are scattered through the tree block (a real gather); the chain of first children, nodes 0, 1, 2, ...,
+    is already in place."""
     target, drafter = pair
-    engine = Engine(target, drafter, max_batch_size=2)
+    engine = Engine(target, drafter, max_batch_size=2, block_size=4)
     cache, forward = engine.cache, engine.forward
+    tables = torch.zeros(1, cache.width + 1, dtype=torch.long)
+    tables[0, : cache.width] = torch.randperm(engine.runner.num_blocks - 1)[: cache.width] + 1
     generator = torch.Generator().manual_seed(0)
     prompt = PROMPTS[2]
     start = len(prompt)
 
     def run(ids: list[int], positions: list[int], cols: list[int], visible: torch.Tensor) -> torch.Tensor:
-        span = visible.shape[-1]
-        write = cache.at(slice(1, 2), torch.tensor([cols]), span)
+        span = engine.runner.span(visible.shape[-1])
+        visible = torch.nn.functional.pad(visible, (0, span - visible.shape[-1]))  # masked whole blocks
+        write = cache.at(tables, torch.tensor([cols]), span)
         hidden, _ = forward(torch.tensor([ids]), torch.tensor([positions]), write, visible[None, None])
         return engine.lm_head(hidden[0])  # [T, V]
 
@@ -151,7 +155,7 @@ def test_kv_compaction_leaves_the_cache_of_a_fresh_forward(pair, kept_path):
         else:
             kept = first_child_chain(tree)
         m = len(kept)
-        pack_accepted(cache, [1], [start], [kept])
+        pack_accepted(cache, tables, [start], [kept])
         committed = prompt + tree.tokens[kept].tolist()
         nxt = 3
         step = run([nxt], [start + m], [start + m], torch.ones(1, start + m + 1, dtype=torch.bool))[-1]

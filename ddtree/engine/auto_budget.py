@@ -34,7 +34,7 @@ class AutoBudget:
         expected tokens per second (ddtree.budget), and start a stretch of plain rounds for the auto rows
         when even the best pick loses to a round without the drafter."""
         if not (self._costs_measured or self.cost.frozen):
-            self._measure_costs(len(rows))
+            self._measure_costs()
         auto = [i for i, r in enumerate(rows) if r.auto and trees[i].num_nodes > 1]
         base = float(len(rows))  # every row commits at least its bonus token
         for i, tree in enumerate(trees):
@@ -87,10 +87,8 @@ class AutoBudget:
         """A timed round's costs, for the cost model's online fit."""
         self.cost.observe(verified_tokens, verify_seconds, draft_rows, draft_seconds, round_seconds)
 
-    def _measure_costs(self, free_row: int) -> None:
-        """Seed the cost model with a few timed forwards in a free cache row (none free: online fit only)."""
+    def _measure_costs(self) -> None:
+        """Seed the cost model with a few timed forwards (they write only the scratch block)."""
         self._costs_measured = True
-        if free_row >= self.scheduler.max_batch_size:
-            return
         for tokens in (1, 8, 32, 8, 1, 32):
-            self.cost.verify.observe(tokens, self.runner.timed_forward(free_row, tokens, self.now))
+            self.cost.verify.observe(tokens, self.runner.timed_forward(tokens, self.now))

@@ -1,21 +1,22 @@
 """The engine: a continuously batched loop of rounds, draft -> tree -> verify -> accept -> commit.
 
-Every running request is a row. A step either admits waiting requests with one batched prefill (when a
-row is free) or runs ONE round for every running row (one drafter forward over the rows that draft, one
-target forward over all rows' trees). Each row keeps its own method, budget, sampling parameters, random
-generator and KV length, so a request's output is the same alone or in any batch. Three methods share the
-round and differ only in the tree they verify:
+Every running request is a row with its own KV blocks. A step either prefills (chunks of waiting or
+half-prefilled prompts, one batched forward) or runs ONE round for every decoding row (one drafter forward
+over the rows that draft, one target forward over all rows' trees). Each row keeps its own method,
+budget, sampling parameters, random generator and KV length, so a request's output is the same alone or
+in any batch. Three methods share the round and differ only in the tree they verify:
   ``ddtree`` the best-first tree of the ``budget`` most probable draft prefixes,
   ``dflash`` the drafter's argmax chain (linear speculative decoding),
   ``ar``     the root alone (plain autoregressive decoding; no drafter pass).
 Greedy rows accept by walking the target's argmax; sampled rows by tree rejection sampling. Both produce the
 same verdict and go through one commit path.
 
-Who owns what (``docs/design.md``): ``Scheduler`` who runs and in which cache row; ``ModelRunner`` the
-weights, caches, fixed shapes and forwards; ``Proposer`` the drafter pass and each row's tree; ``Verifier``
-the verify batch, heads, acceptance and commit; ``AutoBudget`` the ``budget="auto"`` choice. This facade
-holds the request API (vLLM's ``LLMEngine``: ``add_request`` / ``step`` / ``abort``; ``generate`` and
-``stream`` drive that loop for callers that want results) and reads a step top to bottom.
+Who owns what (``docs/design.md``): ``Scheduler`` who runs, chunked prefill and preemption, with the
+``BlockManager``'s KV blocks; ``ModelRunner`` the weights, paged caches, fixed shapes and forwards;
+``Proposer`` the drafter pass and each row's tree; ``Verifier`` the verify batch, heads, acceptance and
+commit; ``AutoBudget`` the ``budget="auto"`` choice. This facade holds the request API (vLLM's
+``LLMEngine``: ``add_request`` / ``step`` / ``abort``; ``generate`` and ``stream`` drive that loop for
+callers that want results) and reads a step top to bottom.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ from ddtree.budget import CostModel
 from ddtree.commit import OutputState, token_logprobs
 from ddtree.drafter import DFlashDrafter
 from ddtree.engine.auto_budget import AutoBudget
+from ddtree.engine.block_manager import BlockManager
+from ddtree.engine.memory import CacheConfig
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.proposer import Proposer
 from ddtree.engine.request import STAGES, GenerationResult, GenerationStats, Request, StreamDelta
-from ddtree.engine.scheduler import Scheduler
+from ddtree.engine.scheduler import Chunk, Scheduler
 from ddtree.engine.verifier import Verifier, delta_of
 from ddtree.errors import DDTreeError
 from ddtree.models import (
@@ -53,6 +56,7 @@ from ddtree.params import (
     SamplingParams,
     check_accept_thresholds,
     check_speculative_options,
+    parse_size,
 )
 
 
@@ -77,9 +81,13 @@ class Engine:
         budget: int = 16,
         topk: int | None = None,
         draft_dtype: torch.dtype | None = None,
-        max_batch_size: int = 16,
+        max_num_seqs: int | None = None,
         max_model_len: int | None = None,
-        max_prefill_tokens: int = 512,
+        max_num_batched_tokens: int = 2048,
+        kv_cache_memory: int | str | None = None,
+        gpu_memory_utilization: float = 0.9,
+        block_size: int = 16,
+        max_batch_size: int | None = None,
         accept_threshold_single: float = 1.0,
         accept_threshold_acc: float = 1.0,
         auto_max_budget: int = 64,
@@ -101,9 +109,15 @@ class Engine:
             accept_threshold_single, accept_threshold_acc
         )
         context = int(getattr(target.config, "max_position_embeddings", 1 << 30))
+        if max_num_seqs is not None and max_batch_size is not None and max_num_seqs != max_batch_size:
+            raise DDTreeError(
+                f"max_num_seqs ({max_num_seqs}) and its alias max_batch_size ({max_batch_size}) disagree"
+            )
+        if max_num_seqs is None:
+            max_num_seqs = 16 if max_batch_size is None else max_batch_size
         for name, value in (
-            ("max_batch_size", max_batch_size),
-            ("max_prefill_tokens", max_prefill_tokens),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
             ("auto_max_budget", auto_max_budget),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -117,17 +131,34 @@ class Engine:
                 f"max_model_len {max_model_len} exceeds the target's context of {context} tokens"
             )
         self.max_model_len = max_model_len or context
-        self.max_batch_size = max_batch_size
+        self.max_num_seqs = max_num_seqs
         self.eos_token_ids = eos_token_ids(target, tokenizer)
         self.profile = profile  # time every stage (waits for the device at each stage boundary)
-        self.runner = ModelRunner(target, drafter, max_batch_size, self.max_model_len, draft_dtype)
-        self.scheduler = Scheduler(max_batch_size, max_prefill_tokens)
+        cache_config = CacheConfig(
+            block_size,
+            None if kv_cache_memory is None else parse_size(kv_cache_memory),
+            gpu_memory_utilization,
+        )
+        deepest = self.budget if self.budget != AUTO else auto_max_budget
+        if drafter is not None:
+            deepest = max(deepest, drafter.block_size - 1)
+        self.runner = ModelRunner(
+            target,
+            drafter,
+            max_num_seqs,
+            self.max_model_len,
+            max_num_batched_tokens,
+            deepest + 1,
+            cache_config,
+            draft_dtype,
+        )
+        self.blocks = BlockManager(self.runner.num_blocks, block_size)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, self.runner.draft_block)
         self.proposer = Proposer(self.runner, auto_max_budget, sampling_aware_trees)
         self.verifier = Verifier(self.runner, self.accept_threshold_single, self.accept_threshold_acc)
         self.auto = AutoBudget(self.runner, self.scheduler, cost_model, self._now)
-        deepest = self.budget if self.budget != AUTO else auto_max_budget
         self.runner.setup_shapes(
-            compile, fixed_shapes, max_batch_size, deepest, batch_buckets, node_buckets, span_buckets
+            compile, fixed_shapes, max_num_seqs, deepest, batch_buckets, node_buckets, span_buckets
         )
         if self.budget != AUTO and self.method == "ddtree":
             self._check_captured_budget(self.budget)
@@ -146,17 +177,22 @@ class Engine:
         budget: int = 16,
         topk: int | None = None,
         device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: str | torch.dtype = "auto",
         **engine_options,
     ) -> Engine:
-        """Load a target (and drafter) from local directories; with neither, the built-in pair."""
+        """Load a target (and drafter) from local directories; with neither, the built-in pair.
+
+        ``dtype`` "auto" is the checkpoint's, except bf16 / fp16 on a CPU without native bf16 matmuls,
+        where float32 is faster (``docs/models.md``)."""
         if target_dir is None and drafter_dir is None:
             target_dir, drafter_dir = DEFAULT_TARGET, DEFAULT_DRAFTER
         check_engine_options(method, budget, topk, drafter_dir is not None)  # fail before loading weights
-        target, tokenizer = load_target(target_dir, device=device, dtype=dtype)
-        drafter = (
-            load_drafter(drafter_dir).to(device=device, dtype=dtype) if drafter_dir is not None else None
-        )
+        max_model_len = engine_options.get("max_model_len")
+        target, tokenizer = load_target(target_dir, device=device, dtype=dtype, max_model_len=max_model_len)
+        drafter = None
+        if drafter_dir is not None:
+            dtype = next(target.parameters()).dtype  # "auto" resolved
+            drafter = load_drafter(drafter_dir, max_model_len).to(device=device, dtype=dtype)
         return cls(target, drafter, tokenizer, method=method, budget=budget, topk=topk, **engine_options)
 
     # -- what the parts own, as attributes callers already use ---------------------------------------------
@@ -170,6 +206,7 @@ class Engine:
     forward = property(lambda self: self.runner.forward)
     cache = property(lambda self: self.runner.cache)
     draft_cache = property(lambda self: self.runner.draft_cache)
+    max_batch_size = property(lambda self: self.max_num_seqs)  # the older name
     fixed_shapes = property(lambda self: self.runner.fixed_shapes)
     compiled = property(lambda self: self.runner.compiled)
     max_drafted = property(lambda self: self.runner.max_drafted)
@@ -196,17 +233,14 @@ class Engine:
                     for _ in range(replays):
                         runner.verify_forward(*batch.forward_args(), True)
                 if self.drafter is not None:
-                    bs = self.drafter.block_size
+                    bs, tables = self.drafter.block_size, runner.block_tables([], b)
                     for _ in range(replays):
-                        self.proposer.draft_pass(
-                            [None] * b, b, bs, slice(0, b), True, runner.draft_span(span + bs)
-                        )
+                        self.proposer.draft_pass([None] * b, b, bs, tables, True, span)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.warmup_seconds += time.perf_counter() - t
         return self.warmup_seconds
 
-    # -- request-level API -------------------------------------------------------------------------------
     # -- request-level API -------------------------------------------------------------------------------
 
     @property
@@ -215,8 +249,12 @@ class Engine:
 
     @property
     def running(self) -> list[Request]:
-        """The running requests, in cache-row order (their state is public; the engine owns it)."""
+        """The running requests, in admission order (their state is public; the engine owns it)."""
         return list(self.scheduler.running)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
 
     @property
     def num_waiting(self) -> int:
@@ -359,8 +397,9 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise DDTreeError("a text prompt needs a tokenizer; pass token ids instead")
-            # verbose=False: an over-long prompt gets our DDTreeError, not transformers' warning first
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False, verbose=False)
+            # Special tokens (a BOS) as the tokenizer adds them by default, as HF and vLLM do; verbose=False:
+            # an over-long prompt gets our DDTreeError, not transformers' warning first.
+            ids = self.tokenizer.encode(prompt, verbose=False)
         else:
             ids = [int(t) for t in prompt]
         if not ids:
@@ -392,10 +431,11 @@ class Engine:
 
     def _advance(self) -> None:
         with torch.inference_mode():
-            if self.scheduler.admits():
-                deltas = self._prefill(self.scheduler.admit())
+            chunks = self.scheduler.schedule_prefill()
+            if chunks:
+                deltas = self._prefill(chunks)
             else:
-                deltas = self._round() if self.scheduler.running else []
+                deltas = self._round() if self.scheduler.decoding else []
         self._route(deltas)
 
     def _route(self, deltas: list[StreamDelta]) -> None:
@@ -406,28 +446,45 @@ class Engine:
 
     # -- a step ------------------------------------------------------------------------------------------
 
-    def _prefill(self, batch: list[Request]) -> list[StreamDelta]:
-        """The admitted requests' prompts in one forward; each gets its first token (and, drafting, its
-        prompt's features into the drafter's cache)."""
+    def _prefill(self, chunks: list[Chunk]) -> list[StreamDelta]:
+        """Prompt chunks in one forward (and, drafting, their features into the drafter's cache). A request
+        whose prefill ends gets its first token; a preempted one resumes with its last emitted token."""
         t0 = self._now()
+        batch = [c.request for c in chunks]
         logits, features = self.runner.prefill(
-            [r.prompt_ids for r in batch], batch[0].row, features=any(r.drafts for r in batch)
+            [
+                (r.prefill_ids[r.computed : r.computed + c.tokens], r.computed)
+                for r, c in zip(batch, chunks, strict=True)
+            ],
+            self.runner.block_tables(batch),
+            features=any(r.drafts for r in batch),
         )  # [B, V], [B, P, F * H]
-        roots = self.verifier.first_tokens(logits, batch)
-        deltas = []
+        done = [i for i, c in enumerate(chunks) if c.last]
+        for i, c in enumerate(chunks):
+            c.request.computed += c.tokens
+            if c.request.drafts:
+                c.request.features.append(features[i, : c.tokens])  # [tokens, F * H]
+        self.proposer.ingest([r for r in batch if r.drafts])
+        first = [i for i in done if not batch[i].output.token_ids]
+        roots = dict(
+            zip(first, self.verifier.first_tokens(logits[first], [batch[i] for i in first]), strict=True)
+        )
         seconds = self._now() - t0
-        for i, (r, root) in enumerate(zip(batch, roots, strict=True)):
-            r.start, r.root = len(r.prompt_ids), root
-            if r.drafts:
-                r.features = [features[i, : r.start]]  # [P_i, F * H]
+        deltas = []
+        for i in done:
+            r = batch[i]
+            r.start = r.computed
+            r.stats.prefill_seconds += seconds
+            if i not in roots:  # resumed after a preemption: its output is already written
+                r.root = r.output.token_ids[-1]
+                continue
+            r.root = roots[i]
             want = r.params.logprobs is not None
             r.output.write(
-                [root], token_logprobs(logits[i : i + 1], [root], r.params.logprobs) if want else None
+                [r.root], token_logprobs(logits[i : i + 1], [r.root], r.params.logprobs) if want else None
             )
-            r.stats.prefill_seconds = seconds
             deltas.append(delta_of(r, 0))
-        self.proposer.ingest([r for r in batch if r.drafts])
-        self._release_finished(batch)
+        self._release_finished([batch[i] for i in done])
         return deltas
 
     def _round(self) -> list[StreamDelta]:
@@ -437,13 +494,13 @@ class Engine:
         need the cost model; otherwise the round waits only where the host needs device results (the draft
         logits for the trees, the verify results for the accept step).
         """
-        rows = list(self.scheduler.running)  # in cache-row order
+        rows = self.scheduler.schedule_round(self.proposer.columns)  # blocks taken; may preempt
         timing = self.profile or any(r.auto for r in rows)
         t_round = self._now(timing)
         seconds = dict.fromkeys(STAGES, 0.0)
-        drafting = self.scheduler.drafting_this_round()
+        drafting = self.scheduler.drafting_this_round(rows)
         with self._stage(seconds, "draft", timing):
-            draft_logits = self.proposer.draft(drafting, self.scheduler.drafting) if drafting else {}
+            draft_logits = self.proposer.draft(drafting) if drafting else {}
         with self._stage(seconds, "tree", timing):
             trees = [self.proposer.tree(r, draft_logits.get(r.request_id)) for r in rows]
             if any(r.auto and r.request_id in draft_logits for r in rows):
@@ -454,7 +511,7 @@ class Engine:
             retrieves = self.verifier.retrieves(trees, sampled)
         with self._stage(seconds, "verify", timing):
             # Features whenever a row drafts, and always with fixed shapes (one graph per shape).
-            want = self.runner.fixed_shapes or bool(self.scheduler.drafting)
+            want = self.runner.fixed_shapes or any(r.drafts for r in rows)
             hidden, features = self.runner.verify_forward(*batch.forward_args(), want)
             hidden = hidden[: batch.rows, : batch.nodes]  # [B, N, H] (padded with fixed shapes)
             features = None if features is None else features[: batch.rows, : batch.nodes]  # [B, N, F * H]
@@ -466,7 +523,7 @@ class Engine:
             verdicts = self.verifier.accept(rows, trees, greedy_heads, sampled, retrieves, probs)
         self.auto.learn(rows, trees, verdicts)
         with self._stage(seconds, "commit", timing):
-            deltas = self.verifier.commit(rows, verdicts, hidden, features)
+            deltas = self.verifier.commit(rows, verdicts, hidden, features, batch.tables)
             self._release_finished(rows)
         elapsed = self._now(timing) - t_round
         if timing:
@@ -483,8 +540,8 @@ class Engine:
                 self._release(r)
 
     def _release(self, r: Request) -> None:
-        """Free a running request's rows: the scheduler keeps them contiguous, the runner copies the moves."""
-        self.runner.move_rows(self.scheduler.release(r))
+        """A running request's blocks go back to the pool."""
+        self.scheduler.release(r)
 
     # -- timing -----------------------------------------------------------------------------------------
 

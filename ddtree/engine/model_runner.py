@@ -1,15 +1,17 @@
-"""The models and their memory: the target's and drafter's weights, the KV caches, the fixed shapes and
-their compiled forwards. Everything that runs a model goes through here; nothing here decides who runs.
+"""The models and their memory: the target's and drafter's weights, the paged KV caches (sized by the
+memory budget), the fixed shapes and their compiled forwards. Everything that runs a model goes through
+here; nothing here decides who runs.
 
-Three forwards: the prefill (a batch of prompts, any shape), the round's verify forward (every row's tree)
-and the drafter pass. With fixed shapes the last two run at a few padded shapes (``ddtree.capture``), each
-compiled (CUDA graphs on CUDA) and warmed up once at start-up.
+Three forwards: the prefill (a batch of prompt chunks, any shape), the round's verify forward (every row's
+tree) and the drafter pass. With fixed shapes the last two run at a few padded shapes
+(``ddtree.capture``), each compiled (CUDA graphs on CUDA) and warmed up once at start-up.
 """
 
 from __future__ import annotations
 
 import copy
 
+import numpy as np
 import torch
 
 from ddtree.capture import (
@@ -24,10 +26,11 @@ from ddtree.capture import (
     tree_mask,
 )
 from ddtree.drafter import DFlashDrafter
-from ddtree.engine.scheduler import RowMove
+from ddtree.engine.memory import CacheConfig, activation_bytes, kv_blocks
+from ddtree.engine.request import Request
 from ddtree.errors import DDTreeError
 from ddtree.forward import TargetForward
-from ddtree.kv_cache import KVCache
+from ddtree.kv_cache import PagedKVCache
 
 
 def fast_low_precision(device: torch.device) -> torch.dtype:
@@ -49,14 +52,17 @@ def with_mlp_dtype(drafter: DFlashDrafter, dtype: torch.dtype) -> DFlashDrafter:
 
 
 class ModelRunner:
-    """The target and drafter on one device, with a fixed KV cache row per running request."""
+    """The target and drafter on one device, with paged KV caches the block tables of requests index."""
 
     def __init__(
         self,
         target,
         drafter: DFlashDrafter | None,
-        max_batch_size: int,
+        max_num_seqs: int,
         max_model_len: int,
+        max_num_batched_tokens: int,
+        max_nodes: int,
+        cache_config: CacheConfig,
         draft_dtype: torch.dtype | None = None,
     ) -> None:
         self.target = target
@@ -76,26 +82,58 @@ class ModelRunner:
         )
         self.drafter = None if drafter is None else with_mlp_dtype(drafter.eval(), draft_dtype)
         self.max_model_len = max_model_len
-        # Fixed caches, sized once: a row per running request, the whole context per row.
-        self.cache = self.forward.new_cache(max_batch_size, max_model_len)
-        self.draft_cache = None
+        self.draft_block = 0 if drafter is None else drafter.block_size  # columns a pass writes after
+        # One block table per request, as wide as the longest request: its context, then the widest of
+        # the round's tree and the drafter's block.
+        bs = cache_config.block_size
+        self.block_size = bs
+        self.width = -(-(max_model_len + max(self.draft_block, 1)) // bs)
+        layouts = [(len(self.forward.layers), self.forward.num_kv_heads, self.forward.head_dim, self.dtype)]
         if self.drafter is not None:
             attn = self.drafter.layers[0].self_attn
-            self.draft_cache = KVCache(
-                len(self.drafter.layers),
-                max_batch_size,
-                attn.num_kv_heads,
-                attn.head_dim,
-                max_model_len + self.drafter.block_size,  # the block sits after the context
-                next(attn.parameters()).dtype,
-                self.device,
+            layouts.append(
+                (len(self.drafter.layers), attn.num_kv_heads, attn.head_dim, next(attn.parameters()).dtype)
             )
+        elem = self.dtype.itemsize
+        self.block_bytes = sum(2 * n * heads * dim * bs * dt.itemsize for n, heads, dim, dt in layouts)
+        activations = activation_bytes(
+            target.config, max_num_batched_tokens, max_num_seqs, max_nodes, self.width * bs, elem
+        )
+        self.num_blocks = kv_blocks(
+            cache_config,
+            self.device,
+            self.block_bytes,
+            self.width,
+            max_num_seqs,
+            activations,
+            max_model_len,
+        )
+        caches = [
+            PagedKVCache(n, self.num_blocks, bs, self.width, heads, dim, dt, self.device)
+            for n, heads, dim, dt in layouts
+        ]
+        self.cache = caches[0]
+        self.draft_cache = caches[1] if self.drafter is not None else None
         self.fixed_shapes = False
         self.compiled = False
         self.max_drafted = max_model_len  # drafted nodes a tree may hold (with fixed shapes: a bucket)
         self.inputs = StaticInputs(self.device, static=False)
         self.verify_forward = self.verify_forward_eager
         self.draft_forward = self.draft_forward_eager
+
+    def span(self, needed: int) -> int:
+        """Columns attention reads for ``needed``: whole blocks (with fixed shapes, a span bucket)."""
+        if self.fixed_shapes:
+            return pick(self.span_buckets, needed)
+        return -(-needed // self.block_size) * self.block_size
+
+    def block_tables(self, requests: list[Request | None], rows: int | None = None) -> np.ndarray:
+        """The requests' block tables [rows, width + 1] (None and padding rows: all scratch)."""
+        tables = np.zeros((rows or len(requests), self.width + 1), dtype=np.int64)
+        for i, r in enumerate(requests):
+            if r is not None:
+                tables[i, : len(r.blocks)] = r.blocks
+        return tables
 
     def setup_shapes(
         self,
@@ -122,18 +160,17 @@ class ModelRunner:
             if batch_buckets is not None or node_buckets is not None or span_buckets is not None:
                 raise DDTreeError("batch, node and span buckets need fixed shapes (compile=True)")
             return
-        if self.drafter is not None:
-            deepest = max(deepest, self.drafter.block_size - 1)  # the dflash chain
         buckets = check_batch_buckets("batch_buckets", batch_buckets, max_batch_size)
         self.batch_buckets = buckets or batch_ladder(max_batch_size)
         self.node_buckets = check_buckets("node_buckets", node_buckets) or node_ladder(deepest)
         self.max_drafted = self.node_buckets[-1] - 1
-        whole = self.cache.capacity + 1  # the last span bucket is always the whole row
+        whole = self.cache.capacity  # the last span bucket is always the whole block table
         spans = check_buckets("span_buckets", span_buckets, whole) or ()
-        self.span_buckets = tuple(sorted({*spans, whole}))
+        bs = self.block_size
+        self.span_buckets = tuple(sorted({*(-(-s // bs) * bs for s in spans), whole}))
         if compile:
             shapes = len(self.batch_buckets) * len(self.node_buckets) * len(self.span_buckets)
-            caches = [self.cache] + ([self.draft_cache] if self.draft_cache is not None else [])
+            caches = [c for c in (self.cache, self.draft_cache) if c is not None]
             if self.device.type == "cuda":
                 mark_static([buf for c in caches for buf in (*c.keys, *c.values)])
             self.verify_forward = compile_forward(self.verify_forward_eager, self.device, shapes)
@@ -147,27 +184,34 @@ class ModelRunner:
             )
 
     def prefill(
-        self, prompts: list[list[int]], first_row: int, features: bool
+        self, chunks: list[tuple[list[int], int]], tables: np.ndarray, features: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Prompts into cache rows ``first_row ..``, as one right-padded causal forward: the logits of each
-        prompt's last position [B, V] and, when ``features``, every position's drafter features
-        [B, P, F * H]."""
-        b = len(prompts)
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)  # [B]
+        """Prompt chunks (tokens, and the columns already cached before them) into the rows whose block
+        tables are ``tables``, as one right-padded causal forward: the logits of each chunk's last position
+        [B, V] and, when ``features``, every position's drafter features [B, P, F * H]."""
+        b, device = len(chunks), self.device
+        lengths = np.array([len(ids) for ids, _ in chunks])  # [B]
+        offsets = np.array([offset for _, offset in chunks])[:, None]  # [B, 1]
         p = int(lengths.max())
-        ids = torch.zeros(b, p, dtype=torch.int64, device=self.device)  # [B, P] right-padded
-        for i, prompt in enumerate(prompts):
-            ids[i, : len(prompt)] = torch.tensor(prompt, device=self.device)
-        cols = torch.arange(p, device=self.device).expand(b, p)  # [B, P]
-        real = cols < lengths[:, None]  # [B, P]
-        causal = cols[0][None, :, None] >= cols[0][None, None, :]  # [1, P, P] query i sees key j <= i
-        mask = (causal & real[:, None, :])[:, None]  # [B, 1, P, P]
-        write = self.cache.at(
-            slice(first_row, first_row + b), torch.where(real, cols, self.cache.scratch), span=p
+        ids = np.zeros((b, p), dtype=np.int64)  # [B, P] right-padded
+        for i, (chunk, _) in enumerate(chunks):
+            ids[i, : len(chunk)] = chunk
+        positions = offsets + np.arange(p)  # [B, P]
+        ends = offsets + lengths[:, None]  # [B, 1] columns cached after this chunk
+        cols = np.where(positions < ends, positions, self.cache.scratch)  # padding writes the scratch
+        span = self.span(int(ends.max()))
+        ids_t, positions_t, cols_t, ends_t, tables_t = (
+            torch.from_numpy(x).to(device) for x in (ids, positions, cols, ends, tables)
         )
+        keys = torch.arange(span, device=device)  # [span]
+        # Query i sees the cached columns and the chunk's up to itself; a padding query sees the whole
+        # chunk (finite, never read).
+        mask = ((keys <= positions_t[:, :, None]) & (keys < ends_t[:, :, None]))[:, None]  # [B, 1, P, span]
+        write = self.cache.at(tables_t, cols_t, span)
         feature_layers = self.drafter.target_layer_ids if features else None
-        hidden, feats = self.forward(ids, cols, write, mask, feature_layers)  # [B, P, H], [B, P, F * H]
-        return self.lm_head(hidden[torch.arange(b, device=self.device), lengths - 1]), feats  # [B, V]
+        hidden, feats = self.forward(ids_t, positions_t, write, mask, feature_layers)  # [B, P, H]
+        last = torch.from_numpy(lengths - 1).to(device)
+        return self.lm_head(hidden[torch.arange(b, device=device), last]), feats  # [B, V], [B, P, F * H]
 
     def verify_forward_eager(
         self,
@@ -176,14 +220,15 @@ class ModelRunner:
         cols: torch.Tensor,  # [B, N]
         starts: torch.Tensor,  # [B]
         anc: torch.Tensor,  # [B, N, N]
+        tables: torch.Tensor,  # [B, width + 1]
         span: int,
         features: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The round's target forward over cache rows [0, B): final hidden states [B, N, H] and, when
+        """The round's target forward over every row's tree: final hidden states [B, N, H] and, when
         ``features`` (always with fixed shapes and a drafter: one graph per shape), drafter features
         [B, N, F * H]."""
         features = self.drafter is not None and (self.fixed_shapes or features)
-        write = self.cache.at(slice(0, ids.shape[0]), cols, span)
+        write = self.cache.at(tables, cols, span)
         mask = tree_mask(starts, anc, span)  # [B, 1, N, span]
         return self.forward(ids, positions, write, mask, self.drafter.target_layer_ids if features else None)
 
@@ -196,34 +241,24 @@ class ModelRunner:
         block_positions: torch.Tensor,  # [B, S]
         block_cols: torch.Tensor,  # [B, S]; a drafting row's columns are its positions; idle: scratch
         ends: torch.Tensor,  # [B] columns each row's block attends to: [0, end)
-        where: slice | torch.Tensor,
+        tables: torch.Tensor,  # [B, width + 1]
         span: int,
     ) -> torch.Tensor:
         """One drafter pass: the block's final hidden states [B, S, H]."""
-        write = self.draft_cache.at(where, torch.cat((ctx_cols, block_cols), dim=1), span)
+        write = self.draft_cache.at(tables, torch.cat((ctx_cols, block_cols), dim=1), span)
         visible = torch.arange(span, device=ends.device)[None] < ends[:, None]  # [B, span]
         mask = visible[:, None, None]  # [B, 1, 1, span]
         return self.drafter(self.embed(block), features, block_positions, ctx_positions, write, mask)
 
-    def draft_span(self, needed: int) -> int:
-        """The drafter's span bucket for ``needed`` columns: a verify span bucket (its context) plus the
-        S columns of the block after it, within the drafter's row."""
-        whole = self.draft_cache.capacity + 1
-        return min(
-            pick(self.span_buckets, max(needed - self.drafter.block_size, 1)) + self.drafter.block_size, whole
-        )
-
-    def move_rows(self, moves: list[RowMove]) -> None:
-        """Copy the rows the scheduler moved (a released row's gap filled by the last row)."""
-        for m in moves:
-            (self.draft_cache if m.drafter else self.cache).copy_row(m.src, m.dst, m.length)
-
-    def timed_forward(self, row: int, tokens: int, now) -> float:
-        """Seconds of a ``tokens``-token forward in a free cache row (the auto budget's cost model)."""
+    def timed_forward(self, tokens: int, now) -> float:
+        """Seconds of a ``tokens``-token forward that writes only the scratch block (the auto budget's
+        cost model)."""
         ids = torch.zeros(1, tokens, dtype=torch.int64, device=self.device)
         cols = torch.arange(tokens, device=self.device)[None]
-        mask = torch.ones(1, 1, tokens, tokens, dtype=torch.bool, device=self.device)
+        tables = torch.zeros(1, self.width + 1, dtype=torch.int64, device=self.device)
+        span = self.span(tokens)
+        mask = torch.ones(1, 1, tokens, span, dtype=torch.bool, device=self.device)
         t = now()
         with torch.inference_mode():
-            self.forward(ids, cols, self.cache.at(slice(row, row + 1), cols, tokens), mask)
+            self.forward(ids, cols, self.cache.at(tables, cols, span), mask)
         return now() - t

@@ -29,45 +29,33 @@ class Proposer:
         self.sampling_aware_trees = sampling_aware_trees
 
     def ingest(self, rows: list[Request]) -> None:
-        """Give the drafter the new rows' prompts now, in the prefill's step (whose shapes vary anyway), so a
+        """Give the drafter the prefilled chunks now, in the prefill's step (whose shapes vary anyway), so a
         round's drafter pass only ever sees what one round commits."""
         if rows:
-            first = rows[0].draft_row  # admitted rows take the last drafter rows, in order
-            self.draft_pass(
-                rows, len(rows), max(r.start for r in rows), slice(first, first + len(rows)), fixed=False
-            )
+            width = max(sum(x.shape[0] for x in r.features) for r in rows)
+            self.draft_pass(rows, len(rows), width, self.runner.block_tables(rows), fixed=False)
 
-    def draft(self, rows: list[Request], drafter_rows: list[Request]) -> dict[str, torch.Tensor]:
+    def draft(self, rows: list[Request]) -> dict[str, torch.Tensor]:
         """One drafter pass over these rows' [root, MASK x (block_size - 1)]; returns each row's draft
         logits [depth, V] (depth as deep as its tree can grow).
 
         A row's context may hold the features of several rounds (budget "auto" skips the drafter while
         drafting does not pay): the pass catches up on all of them, so the drafter's cache ends up exactly
-        as if it had drafted every round. With fixed shapes the pass covers every drafting row (those not
-        drafting this round idle in it), padded to a batch bucket, with a context of one block: a longer
-        backlog repeats the same pass, and the last one drafts.
+        as if it had drafted every round. With fixed shapes the pass is padded to a batch bucket, with a
+        context of one block: a longer backlog repeats the same pass, and the last one drafts.
         """
         if self.runner.fixed_shapes:
-            drafting = {id(r) for r in rows}
-            slots = [r if id(r) in drafting else None for r in drafter_rows]  # index = drafter cache row
-            b = pick(self.runner.batch_buckets, len(slots))
-            hidden = self.draft_pass(slots, b, self.runner.drafter.block_size, slice(0, b), fixed=True)
+            b = pick(self.runner.batch_buckets, len(rows))
+            slots = [*rows, *[None] * (b - len(rows))]
+            tables = self.runner.block_tables(slots)
+            hidden = self.draft_pass(slots, b, self.runner.drafter.block_size, tables, fixed=True)
             while any(r.features for r in rows):
-                hidden = self.draft_pass(slots, b, self.runner.drafter.block_size, slice(0, b), fixed=True)
-            index = [r.draft_row for r in rows]
+                hidden = self.draft_pass(slots, b, self.runner.drafter.block_size, tables, fixed=True)
         else:
-            cache_rows = [r.draft_row for r in rows]
-            contiguous = cache_rows == list(range(cache_rows[0], cache_rows[0] + len(rows)))
-            where = (
-                slice(cache_rows[0], cache_rows[0] + len(rows))
-                if contiguous
-                else torch.tensor(cache_rows, device=self.runner.device)
-            )
             width = max(sum(x.shape[0] for x in r.features) for r in rows)
-            hidden = self.draft_pass(rows, len(rows), width, where, fixed=False)
-            index = list(range(len(rows)))
+            hidden = self.draft_pass(rows, len(rows), width, self.runner.block_tables(rows), fixed=False)
         depths = [self.depth(r) for r in rows]
-        hidden = hidden[index, 1 : 1 + max(depths)].to(self.runner.draft_head.dtype)  # [B, depth, H]
+        hidden = hidden[: len(rows), 1 : 1 + max(depths)].to(self.runner.draft_head.dtype)  # [B, depth, H]
         logits = F.linear(
             hidden, self.runner.draft_head, self.runner.draft_head_bias
         ).float()  # [B, depth, V]
@@ -78,11 +66,12 @@ class Proposer:
         slots: list[Request | None],
         b: int,
         c: int,
-        where: slice | torch.Tensor,
+        tables: np.ndarray,
         fixed: bool,
         span: int | None = None,
     ) -> torch.Tensor:
-        """One drafter forward over ``b`` cache rows (``fixed``: a captured shape and span bucket).
+        """One drafter forward over ``b`` rows with block tables ``tables`` [b, width + 1] (``fixed``: a
+        captured shape and span bucket).
 
         Slot i (its request, or None to idle) consumes up to ``c`` of its pending context features and
         places its block right after them. Returns the blocks' hidden states [b, S, H]; a row's drafts are
@@ -111,7 +100,8 @@ class Proposer:
                 ctx_cols[i, :k] = ctx_positions[i, :k] = r.draft_len + np.arange(k)
                 r.draft_len += k
                 r.features = [pending[k:]] if pending.shape[0] > k else []
-            block[i, 0] = r.root
+            if r.root >= 0:  # while prefilling there is no root yet (and the block is not read)
+                block[i, 0] = r.root
             block_cols[i] = r.draft_len + np.arange(bs)  # after the consumed context
             ends[i] = r.draft_len + bs
         inputs = self.runner.inputs.load(
@@ -123,12 +113,18 @@ class Proposer:
             block_positions=np.where(block_cols == scratch, block_positions, block_cols),
             block_cols=block_cols,
             ends=ends,
+            tables=tables,
         )
-        if fixed:
-            span = span or self.runner.draft_span(int(ends.max()))
-        else:
-            span = int(ends.max())
-        return (self.runner.draft_forward if fixed else self.runner.draft_forward_eager)(*inputs, where, span)
+        span = span or self.runner.span(int(ends.max()))
+        return (self.runner.draft_forward if fixed else self.runner.draft_forward_eager)(*inputs, span)
+
+    def columns(self, r: Request) -> int:
+        """The most cache columns row r writes this round: its tree's nodes, or the drafter's block after
+        its context (the scheduler takes the blocks before the round)."""
+        nodes = 1 if not r.drafts else 1 + min(self.budget(r), self.room(r) - 1, self.runner.max_drafted)
+        if r.method == "dflash":
+            nodes = 1 + self.depth(r)
+        return r.start + max(nodes, self.runner.draft_block if r.drafts else 1)
 
     def room(self, r: Request) -> int:
         """Tree nodes row r can still hold: its cache columns from ``start`` to the capacity."""

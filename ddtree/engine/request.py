@@ -35,6 +35,7 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_tokens: int = 0
+    preemptions: int = 0  # times the request lost its KV blocks and was recomputed
     accept_thresholds: tuple[float, float] = (1.0, 1.0)  # (single, acc); below 1.0 the output is lossy
 
     @property
@@ -64,6 +65,7 @@ class GenerationStats:
             "decode_seconds": self.decode_seconds,
             "decode_tokens": self.decode_tokens,
             "decode_tokens_per_second": self.decode_tokens_per_second,
+            "preemptions": self.preemptions,
         }
         return out | lossy_threshold_fields(*self.accept_thresholds)
 
@@ -90,14 +92,16 @@ class StreamDelta:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # aligned with token_ids when requested
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: compared (and found in lists) by identity
 class Request:
     """One request's decoding state, public so a scheduler can see it.
 
-    While it runs, the target cache row ``row`` holds its tokens at columns [0, start) and the root (the
-    last committed token, not yet in the cache) sits at position ``start``; a drafting request also owns
-    drafter cache row ``draft_row`` holding [0, draft_len) and the target features of the tokens the drafter
-    has not consumed yet.
+    While it runs it owns the KV blocks ``blocks`` (its block table, the same in the target's and the
+    drafter's pool). A prefill puts ``prefill_ids`` in the cache, ``computed`` of them so far (in chunks
+    when long); after that the cache holds the committed tokens at columns [0, start) and the root (the last
+    emitted token, not yet in the cache) sits at position ``start``. A drafting request's drafter cache
+    holds [0, draft_len), and ``features`` the target features of the tokens it has not consumed yet.
+    A preempted request loses all of that and is prefilled again from its prompt and output.
     """
 
     request_id: str
@@ -109,13 +113,19 @@ class Request:
     output: OutputState
     stats: GenerationStats
     generator: torch.Generator
-    row: int = -1
-    draft_row: int = -1
+    blocks: list[int] = field(default_factory=list)
+    prefill_ids: list[int] = field(default_factory=list)
+    computed: int = 0
     start: int = 0
     root: int = -1
     draft_len: int = 0
     features: list[torch.Tensor] = field(default_factory=list)  # [C_i, F * H] per round not drafted on
     auto_width: int = 8  # budget "auto": drafted nodes chosen last time (sizes the next candidate tree)
+
+    @property
+    def prefilling(self) -> bool:
+        """Admitted, but its prefill (``prefill_ids``) is not all in the cache yet."""
+        return self.computed < len(self.prefill_ids)
 
     @property
     def drafts(self) -> bool:

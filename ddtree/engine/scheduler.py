@@ -1,41 +1,56 @@
-"""Who runs: the waiting queue, the running rows, admission, abort and release. No tensors.
+"""Who runs: the waiting queue, the running requests, their KV blocks, chunked prefill, preemption. No
+tensors.
 
-Running requests occupy target cache rows ``0 .. len(running) - 1`` in order, and drafting ones drafter
-cache rows ``0 .. len(drafting) - 1``: every forward reads a leading slice of the caches. Releasing a row
-moves the last row into the gap; the scheduler says which rows moved (``RowMove``) and the model runner
-copies their keys and values.
+A step is either a prefill step (chunks of waiting or half-prefilled prompts, at most
+``max_num_batched_tokens`` padded tokens) or a round (every decoding request). With requests decoding, a
+prefill step never follows a prefill step: a running stream waits at most one prefill between two of its
+rounds, however long the prompt that arrives. Blocks are taken as requests grow: a chunk's before its
+prefill, a round's (the committed tokens, the tree's nodes and the drafter's block) before the round.
+When a running request cannot grow, the most recently admitted one is preempted (vLLM's recompute mode):
+its blocks are freed and it goes back to the front of the queue, to be prefilled again from its prompt and
+the tokens it already emitted.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from ddtree.engine.block_manager import BlockManager
 from ddtree.engine.request import Request
 from ddtree.errors import DDTreeError
 
 
 @dataclass(frozen=True)
-class RowMove:
-    """Copy ``length`` leading cache columns of row ``src`` to row ``dst`` (``drafter``: of its cache)."""
+class Chunk:
+    """``tokens`` more of request's ``prefill_ids`` go into the cache this step, after ``computed``."""
 
-    src: int
-    dst: int
-    length: int
-    drafter: bool
+    request: Request
+    tokens: int
+
+    @property
+    def last(self) -> bool:
+        """This chunk ends the request's prefill."""
+        return self.request.computed + self.tokens == len(self.request.prefill_ids)
 
 
 class Scheduler:
-    """FIFO admission into at most ``max_batch_size`` rows; each step admits (prefill) or runs a round."""
+    """FIFO admission of up to ``max_num_seqs`` running requests into a pool of KV blocks."""
 
-    def __init__(self, max_batch_size: int, max_prefill_tokens: int) -> None:
-        self.max_batch_size = max_batch_size
-        self.max_prefill_tokens = max_prefill_tokens
+    def __init__(
+        self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, draft_block: int
+    ) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.draft_block = draft_block  # columns a drafter pass writes after the context (0: no drafter)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # index = target cache row
-        self.drafting: list[Request] = []  # index = drafter cache row
+        self.running: list[Request] = []  # admission order; a round's batch keeps it
         self.auto_skip = 0  # rounds left in which "auto" rows run plain (set by the auto budget policy)
+        self.num_preemptions = 0
+        self._prefilled_last = False
         self._ids = itertools.count()
 
     def new_id(self, request_id: str | None) -> str:
@@ -53,33 +68,97 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def admits(self) -> bool:
-        """The next step prefills (vLLM's default: a new request waits for at most the current step and its
-        own prefill, running ones for at most one prefill between two rounds)."""
-        return bool(self.waiting) and len(self.running) < self.max_batch_size
+    @property
+    def decoding(self) -> list[Request]:
+        """The running requests past their prefill: a round's rows, in order."""
+        return [r for r in self.running if not r.prefilling]
 
-    def admit(self) -> list[Request]:
-        """Waiting requests (FIFO) for free rows, as many as one padded prefill of at most
-        ``max(max_prefill_tokens, the first prompt)`` tokens holds; they take the next rows, in order."""
-        batch: list[Request] = []
-        while self.waiting and len(self.running) + len(batch) < self.max_batch_size:
-            longest = max([len(r.prompt_ids) for r in batch] + [len(self.waiting[0].prompt_ids)])
-            if batch and longest * (len(batch) + 1) > self.max_prefill_tokens:
+    @property
+    def drafting(self) -> list[Request]:
+        return [r for r in self.decoding if r.drafts]
+
+    def _prefill_tokens(self, r: Request, end: int) -> int:
+        """Columns request r needs with ``end`` prefill tokens cached (a drafter writes its block after)."""
+        return end + (self.draft_block if r.drafts else 0)
+
+    def schedule_prefill(self) -> list[Chunk]:
+        """This step's prefill chunks, or none (the step is a round): the half-prefilled requests first,
+        then waiting ones in FIFO order while rows, the token budget and free blocks allow.
+
+        Rows are padded to the longest chunk: a chunk of a later row is cut to that length, the first
+        row's to the token budget. Without requests decoding, a full pool preempts from the back until the
+        oldest half-prefilled request can go on (it always fits: the pool holds one whole request)."""
+        if self.decoding and self._prefilled_last:
+            self._prefilled_last = False
+            return []
+        chunks = self._chunks()
+        while not chunks and not self.decoding and any(r.prefilling for r in self.running[1:]):
+            self.preempt(self.running[-1])
+            chunks = self._chunks()
+        self._prefilled_last = bool(chunks)
+        return chunks
+
+    def _chunks(self) -> list[Chunk]:
+        chunks: list[Chunk] = []
+        longest = 0
+        candidates = [r for r in self.running if r.prefilling]
+        for r in itertools.chain(candidates, list(self.waiting)):
+            new = r not in candidates
+            if new and len(self.running) >= self.max_num_seqs:
                 break
-            batch.append(self.waiting.popleft())
-        for r in batch:
-            r.row = len(self.running)
-            self.running.append(r)
-            if r.drafts:
-                r.draft_row, r.draft_len = len(self.drafting), 0
-                self.drafting.append(r)
-        return batch
+            if new:
+                r.prefill_ids = r.prompt_ids + r.output.token_ids[:-1]  # a preempted one: its output too
+            remaining = len(r.prefill_ids) - r.computed
+            if not chunks:
+                tokens = min(remaining, self.max_num_batched_tokens)
+            elif (len(chunks) + 1) * max(longest, remaining) <= self.max_num_batched_tokens:
+                tokens = remaining
+            elif (len(chunks) + 1) * longest <= self.max_num_batched_tokens:
+                tokens = min(remaining, longest)
+            else:
+                break
+            need = self._prefill_tokens(r, r.computed + tokens)
+            reserve = self.blocks.watermark if new and self.decoding else 0
+            if not self.blocks.can_grow(r, need, reserve):
+                if new:
+                    r.prefill_ids = []
+                break
+            self.blocks.grow(r, need)
+            if new:
+                self.waiting.remove(r)
+                self.running.append(r)
+            chunks.append(Chunk(r, tokens))
+            longest = max(longest, tokens)
+        return chunks
 
-    def drafting_this_round(self) -> list[Request]:
-        """The rows whose drafter runs this round: "auto" rows skip it during a stretch of plain rounds."""
-        rows = [r for r in self.drafting if not (r.auto and self.auto_skip)]
+    def schedule_round(self, columns: Callable[[Request], int]) -> list[Request]:
+        """Blocks for every decoding request's round (``columns(r)``: the most it can write), preempting
+        from the back of the running list when the pool is out. Returns the round's rows."""
+        for r in self.decoding:
+            if r not in self.running:  # preempted for an older request in this loop
+                continue
+            while not self.blocks.grow(r, columns(r)):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is r:
+                    break
+        return self.decoding
+
+    def preempt(self, r: Request) -> None:
+        """Free r's blocks and queue it first: its next prefill recomputes its prompt and output."""
+        self._leave(r)
+        r.computed = r.start = r.draft_len = 0
+        r.prefill_ids = []
+        r.stats.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(r)
+
+    def drafting_this_round(self, rows: list[Request]) -> list[Request]:
+        """Of the round's rows, those whose drafter runs: "auto" rows skip it during a stretch of plain
+        rounds."""
+        drafting = [r for r in rows if r.drafts and not (r.auto and self.auto_skip)]
         self.auto_skip = max(self.auto_skip - 1, 0)
-        return rows
+        return drafting
 
     def remove_waiting(self, request_id: str) -> Request | None:
         r = next((r for r in self.waiting if r.request_id == request_id), None)
@@ -87,21 +166,11 @@ class Scheduler:
             self.waiting.remove(r)
         return r
 
-    def release(self, r: Request) -> list[RowMove]:
-        """Free a running request's rows, keeping the running rows contiguous: the last row moves into the
-        gap. Returns the cache rows to copy."""
-        moves = []
-        last = self.running.pop()
-        if last is not r:
-            moves.append(RowMove(last.row, r.row, last.start, drafter=False))
-            last.row = r.row
-            self.running[r.row] = last
-        if r.drafts:
-            last = self.drafting.pop()
-            if last is not r:
-                moves.append(RowMove(last.draft_row, r.draft_row, last.draft_len, drafter=True))
-                last.draft_row = r.draft_row
-                self.drafting[r.draft_row] = last
-        r.row = r.draft_row = -1
+    def release(self, r: Request) -> None:
+        """A running request finished or was aborted: its blocks go back to the pool (no KV copies)."""
+        self._leave(r)
+
+    def _leave(self, r: Request) -> None:
+        self.running.remove(r)
+        self.blocks.free(r)
         r.features = []
-        return moves

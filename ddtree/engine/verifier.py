@@ -40,13 +40,14 @@ class VerifyBatch:
     cols: torch.Tensor  # [B, N] int64
     starts: torch.Tensor  # [B] int64, committed columns per row
     anc: torch.Tensor  # [B, N, N] bool, the tree block of the mask
-    span: int  # columns attention reads: max_b (start_b + N_b), or the whole row with fixed shapes
+    tables: torch.Tensor  # [B, width + 1] int64, the rows' KV block tables (dummy rows: scratch)
+    span: int  # columns attention reads: max_b (start_b + N_b) in whole blocks, or a span bucket
     rows: int  # real rows (the first ``rows`` of the batch)
     nodes: int  # real nodes of the widest tree
 
     def forward_args(self) -> tuple:
         """The verify forward's inputs, in ``ModelRunner.verify_forward``'s order."""
-        return self.ids, self.positions, self.cols, self.starts, self.anc, self.span
+        return self.ids, self.positions, self.cols, self.starts, self.anc, self.tables, self.span
 
 
 class Verifier:
@@ -83,9 +84,9 @@ class Verifier:
             bp, np_, span = shape
         elif self.runner.fixed_shapes:
             bp, np_ = pick(self.runner.batch_buckets, b), pick(self.runner.node_buckets, n)
-            span = pick(self.runner.span_buckets, needed)
+            span = self.runner.span(needed)
         else:
-            bp, np_, span = b, n, needed
+            bp, np_, span = b, n, self.runner.span(needed)
         all_starts = np.ones(bp, dtype=np.int64)  # a dummy row sees column 0 (a masked-out row is NaN)
         all_starts[:b] = starts
         ids = np.zeros((bp, np_), dtype=np.int64)
@@ -97,7 +98,13 @@ class Verifier:
             ids[i, :m], positions[i, :m], anc[i, :m, :m] = tree_ids, tree_positions, tree_anc
             cols[i, :m] = np.arange(start, start + m)
         tensors = self.runner.inputs.load(
-            self.runner.fixed_shapes, ids=ids, positions=positions, cols=cols, starts=all_starts, anc=anc
+            self.runner.fixed_shapes,
+            ids=ids,
+            positions=positions,
+            cols=cols,
+            starts=all_starts,
+            anc=anc,
+            tables=self.runner.block_tables(rows, bp),
         )
         return VerifyBatch(*tensors, span=span, rows=b, nodes=n)
 
@@ -171,12 +178,12 @@ class Verifier:
         verdicts: list[Verdict],
         hidden: torch.Tensor,
         features: torch.Tensor | None,
+        tables: torch.Tensor,
     ) -> list[StreamDelta]:
-        """Pack every row's accepted keys/values after its committed tokens, write its tokens and keep its
-        accepted nodes' drafter features (the engine releases the rows that finished)."""
-        pack_accepted(
-            self.runner.cache, list(range(len(rows))), [r.start for r in rows], [v[0] for v in verdicts]
-        )
+        """Pack every row's accepted keys/values after its committed tokens (``tables``: the round's block
+        tables), write its tokens and keep its accepted nodes' drafter features (the engine releases the
+        rows that finished)."""
+        pack_accepted(self.runner.cache, tables, [r.start for r in rows], [v[0] for v in verdicts])
         deltas = []
         for i, (r, (nodes, tokens)) in enumerate(zip(rows, verdicts, strict=True)):
             logprobs = None

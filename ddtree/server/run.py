@@ -46,7 +46,12 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         help=f"model id clients use (the target directory's name; {DEFAULT_MODEL_NAME} for the built-ins)",
     )
     p.add_argument(
-        "--max-batch-size", type=int, default=16, help="requests (choices) the engine runs side by side"
+        "--max-num-seqs",
+        "--max-batch-size",
+        dest="max_batch_size",
+        type=int,
+        default=16,
+        help="requests (choices) the engine runs side by side",
     )
     p.add_argument(
         "--max-queue",
@@ -189,7 +194,7 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
     if not 0 <= args.port <= 65535:
         raise DDTreeError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_batch_size < 1:
-        raise DDTreeError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+        raise DDTreeError(f"--max-num-seqs must be >= 1, got {args.max_batch_size}")
     if args.max_queue < 0:
         raise DDTreeError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not args.request_timeout > 0 or not args.shutdown_timeout >= 0:

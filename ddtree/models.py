@@ -10,10 +10,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ddtree.drafter import DFlashDrafter
 from ddtree.errors import DDTreeError
+from ddtree.params import DTYPE_CHOICES  # resolve_dtype takes vLLM's aliases too
 
 # Model types whose HF modules the engine's forward (ddtree.forward.TargetForward) runs exactly.
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama", "mistral")
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")  # for argparse; resolve_dtype takes aliases too
 _DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,

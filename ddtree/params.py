@@ -71,7 +71,7 @@ def memory_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")  # --dtype; ddtree.models.resolve_dtype reads them
 
 
 def check_accept_thresholds(single: float, acc: float) -> tuple[float, float]:

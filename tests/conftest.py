@@ -114,3 +114,40 @@ def save_models(root: Path, chat_template: str | None = None) -> tuple[Path, Pat
 def pair(request):
     target = tiny_target(request.param)
     return target, tiny_drafter(target)
+
+
+REAL_VOCAB = 151936  # Qwen3's
+
+
+def real_size_models(root: Path, layers: int = 2) -> tuple[Path, Path]:
+    """Random weights at Qwen3-0.6B's shapes (vocab 151936, hidden 1024, GQA 16/8, head_dim 128, tied
+    embeddings, a 40960-token context, bf16 safetensors) but ``layers`` layers, a word-level tokenizer of
+    the whole vocabulary, and a one-layer public-format DFlash drafter."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=REAL_VOCAB,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        eos_token_id=0,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    target = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    target.save_pretrained(root / "target")
+    words = Tokenizer(WordLevel({f"w{i}": i for i in range(REAL_VOCAB)}, unk_token="w1"))
+    words.pre_tokenizer = WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, eos_token="w0", unk_token="w1")
+    tokenizer.save_pretrained(root / "target")
+    drafter_config = dflash_config(config, num_layers=1, block_size=16, mask_token_id=2)
+    DFlashDrafter(drafter_config).to(torch.bfloat16).save_pretrained(root / "drafter")
+    return root / "target", root / "drafter"

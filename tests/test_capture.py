@@ -120,8 +120,8 @@ def test_bucket_options_are_checked_before_anything_runs(eager: Engine):
 
 
 def test_padded_rows_and_nodes_change_no_output(eager: Engine):
-    """Buckets of 3 and 4 rows, 4, 7, 13, 17 nodes and 24, 48 or all 257 columns read: dummy rows, dummy
-    nodes, every tree size padded, rows growing from one span bucket into the next."""
+    """Buckets of 3 and 4 rows, 4, 7, 13, 17 nodes and 24 (rounded to 32), 48 or all the table's columns
+    read: dummy rows, dummy nodes, every tree size padded, rows growing from one span bucket into the next."""
     padded = sibling(
         eager,
         max_batch_size=4,
@@ -134,17 +134,17 @@ def test_padded_rows_and_nodes_change_no_output(eager: Engine):
     shapes = []
     verify = padded.runner.verify_forward
 
-    def spy(ids, positions, cols, starts, anc, span, features):
+    def spy(ids, positions, cols, starts, anc, tables, span, features):
         widest = int(anc.diagonal(dim1=1, dim2=2).sum(-1).max())  # a real node sees itself, padding not
         shapes.append((tuple(ids.shape), span, padded.num_running, widest))
-        return verify(ids, positions, cols, starts, anc, span, features)
+        return verify(ids, positions, cols, starts, anc, tables, span, features)
 
     padded.runner.verify_forward = spy
     specs = requests(new=40)
     assert run(padded, specs) == run(eager, specs)
     assert {s[0] for s in shapes} <= {(b, n) for b in (3, 4) for n in (4, 7, 13, 17)}
     spans = {s[1] for s in shapes}
-    assert spans <= {24, 48, padded.cache.capacity + 1} and len(spans) >= 2  # rows grew into wider spans
+    assert spans <= {32, 48, padded.cache.capacity} and len(spans) >= 2  # rows grew into wider spans
     assert any(rows < shape[0] for shape, _, rows, _ in shapes)  # dummy rows
     assert any(widest < shape[1] for shape, _, _, widest in shapes)  # dummy nodes
 
@@ -223,9 +223,9 @@ def test_auto_rows_catch_up_a_long_backlog_with_repeated_fixed_passes(eager: Eng
     passes = []
     draft_pass = padded.proposer.draft_pass
 
-    def spy(slots, b, c, where, fixed):
+    def spy(slots, b, c, tables, fixed):
         passes.append((len(padded.scheduler.running[0].stats.acceptance_lengths), fixed))
-        return draft_pass(slots, b, c, where, fixed)
+        return draft_pass(slots, b, c, tables, fixed)
 
     padded.proposer.draft_pass = spy
     params = SamplingParams(max_new_tokens=90)

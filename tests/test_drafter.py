@@ -90,9 +90,7 @@ def test_context_cache_equals_recomputing_the_context():
         first = cache.at(first_table, torch.arange(12)[None], span=12)  # 4 context + 8 block columns
         drafter(block, features[:, :4], torch.arange(4, 12)[None], torch.arange(4)[None], first)
         second = cache.at(first_table, torch.arange(4, 17)[None], span=20)  # 5 more context, the block
-        chunked = drafter(
-            block, features[:, 4:], positions, torch.arange(4, 9)[None], second, mask(17, 20)
-        )
+        chunked = drafter(block, features[:, 4:], positions, torch.arange(4, 9)[None], second, mask(17, 20))
         # Another request: same context, padded by 3 features that go to the scratch column.
         padded = torch.cat((features, torch.randn(1, 3, features.shape[2])), dim=1)
         cols = torch.cat((torch.arange(9), torch.full((3,), cache.scratch), torch.arange(9, 17)))[None]

@@ -20,9 +20,11 @@ from ddtree.argparsing import (
     Parser,
     add_compile_options,
     add_draft_topk,
+    add_memory_options,
     add_threads_option,
     apply_threads,
     check_compile_options,
+    memory_options,
 )
 from ddtree.errors import DDTreeError
 from ddtree.params import parse_budget
@@ -76,9 +78,7 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
         "--drafter", type=Path, default=None, help="DFlash drafter directory (the built-in one if omitted)"
     )
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
-    p.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model weights"
-    )
+    add_memory_options(p)
     add_threads_option(p)
     p.add_argument("--tree-vocab", type=int, default=32768,
                    help="vocabulary of the tree-build timing; 0 = skip it")  # fmt: skip
@@ -127,7 +127,7 @@ def load_engines(args: argparse.Namespace, cfg, max_batch_size: int = 1):
 
     target, tokenizer, drafter, target_dir, drafter_dir = load_models(args, cfg.needs_drafter)
     method = "ddtree" if drafter is not None else "ar"
-    common = dict(method=method, max_batch_size=max_batch_size, profile=True)
+    common = dict(method=method, max_batch_size=max_batch_size, profile=True) | memory_options(args)
     engines = {False: Engine(target, drafter, tokenizer, **common)}
     if args.compile:
         # Every request names its method and budget; the engine's own are checked against its node
@@ -172,8 +172,6 @@ def compile_info(engines: dict) -> dict:
 def load_models(args: argparse.Namespace, needs_drafter: bool):
     """Target, tokenizer and drafter (None unless needed) for the flags, and their directories; the
     built-in pair when no model directory is given."""
-    import torch
-
     from ddtree.models import DEFAULT_DRAFTER, DEFAULT_TARGET, check_device, load_drafter, load_target
 
     if args.target is None and not DEFAULT_TARGET.is_dir():
@@ -185,11 +183,11 @@ def load_models(args: argparse.Namespace, needs_drafter: bool):
     elif drafter is None:
         raise DDTreeError("methods dflash and ddtree need --drafter when --target is given")
     device = check_device(args.device)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    target_model, tokenizer = load_target(target, device=device, dtype=dtype)
+    target_model, tokenizer = load_target(target, device, args.dtype, args.max_model_len)
     drafter_model = None
     if drafter is not None:
-        drafter_model = load_drafter(drafter).to(device=device, dtype=dtype)
+        dtype = next(target_model.parameters()).dtype  # --dtype auto resolved
+        drafter_model = load_drafter(drafter, args.max_model_len).to(device=device, dtype=dtype)
     return target_model, tokenizer, drafter_model, target, drafter
 
 

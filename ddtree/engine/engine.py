@@ -47,6 +47,7 @@ from ddtree.models import (
     DEFAULT_DRAFTER,
     DEFAULT_TARGET,
     check_pair,
+    check_target_attention,
     eos_token_ids,
     load_drafter,
     load_target,
@@ -131,6 +132,7 @@ class Engine:
                 f"max_model_len {max_model_len} exceeds the target's context of {context} tokens"
             )
         self.max_model_len = max_model_len or context
+        check_target_attention(target.config.to_dict(), "target", self.max_model_len)
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = eos_token_ids(target, tokenizer)
         self.profile = profile  # time every stage (waits for the device at each stage boundary)
@@ -150,8 +152,10 @@ class Engine:
             max_num_batched_tokens,
             deepest + 1,
             cache_config,
+            max_model_len is not None,
             draft_dtype,
         )
+        self.max_model_len = self.runner.max_model_len  # lowered to what the KV budget holds, if unset
         self.blocks = BlockManager(self.runner.num_blocks, block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, self.runner.draft_block)
         self.proposer = Proposer(self.runner, auto_max_budget, sampling_aware_trees)

@@ -3,23 +3,29 @@
 use and an estimate of the largest step's activations (vLLM's rule; it profiles a forward instead).
 
 The pool is never larger than every running request at ``max_model_len`` needs, and never smaller than one
-such request: that is a one-line error naming the flags to change.
+such request: a ``max_model_len`` the user set that does not fit is a one-line error naming the flags to
+change; the model's own context is lowered to what fits.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ddtree.errors import DDTreeError
 
+log = logging.getLogger(__name__)
+
 GIB = 1 << 30
 
 
 def gib(n: float) -> str:
-    return f"{n / GIB:.2f} GiB"
+    """Bytes for a message: GiB, or MiB below one."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / (1 << 20):.2f} MiB"
 
 
 def available_memory(device: torch.device) -> tuple[int, str]:
@@ -52,47 +58,81 @@ class CacheConfig:
             raise DDTreeError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
 
 
-def activation_bytes(config, tokens: int, rows: int, nodes: int, span: int, elem: int) -> int:
-    """An upper estimate of the largest step's transient memory: a prefill of ``tokens`` tokens (hidden
-    states, MLP activations, attention scores against ``span`` columns) or a round of ``rows`` trees of
-    ``nodes`` nodes (the same, plus float32 distributions over the vocabulary for every node)."""
-    h, i = config.hidden_size, config.intermediate_size
-    heads = config.num_attention_heads
-    per_token = (8 * h + 3 * i) * elem + heads * span * 4
-    prefill = tokens * per_token
-    round_ = rows * nodes * (per_token + 4 * config.vocab_size * 4)
+def activation_bytes(
+    config, tokens: int, rows: int, nodes: int, span: int, elem: int, kv_heads: int, head_dim: int
+) -> int:
+    """An upper estimate of the largest step's transient memory, for contexts of ``span`` columns: a prefill
+    of ``tokens`` tokens or a round of ``rows`` trees of ``nodes`` nodes. Per token: hidden states and MLP
+    activations (and for a round float32 distributions over the vocabulary); per row: its keys and values
+    gathered from their blocks, the heads they are expanded to (GQA) and the mask."""
+    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    per_row = span * (2 * kv_heads * head_dim * elem + config.num_attention_heads * head_dim * elem)
+    prefill = tokens * ((8 * h + 3 * i) * elem + span) + per_row
+    round_ = rows * nodes * ((8 * h + 3 * i) * elem + 16 * v + span) + rows * per_row
     return max(prefill, round_)
 
 
-def kv_blocks(
+@dataclass(frozen=True)
+class KVPlan:
+    num_blocks: int  # the pool's, the scratch block included
+    max_model_len: int  # as given, or lowered to what the budget holds when it was not given
+
+
+def plan_kv(
     cache: CacheConfig,
     device: torch.device,
     block_bytes: int,
-    request_blocks: int,
+    request_blocks: Callable[[int], int],
+    activations: Callable[[int], int],
     max_num_seqs: int,
-    activations: int,
     max_model_len: int,
-) -> int:
-    """Blocks of the pool (the scratch block included) for this budget."""
+    explicit_len: bool,
+) -> KVPlan:
+    """The pool for this budget (``request_blocks(L)``, ``activations(L)``: a request's blocks and the
+    transient bytes at context L). A context the budget cannot hold one request of is an error when the
+    user set it (``explicit_len``); the model's own context is lowered to what fits, as vLLM's
+    ``--max-model-len auto`` does, with a warning."""
     if cache.kv_cache_memory is not None:
-        budget, source = cache.kv_cache_memory, f"--kv-cache-memory {gib(cache.kv_cache_memory)}"
+        source = f"--kv-cache-memory {gib(cache.kv_cache_memory)}"
+
+        def budget(length: int) -> int:
+            return cache.kv_cache_memory
     else:
         free, what = available_memory(device)
+        share = int(cache.gpu_memory_utilization * free)
         if device.type == "cuda":
             _, total = torch.cuda.mem_get_info(device)
-            budget = int(cache.gpu_memory_utilization * total) - (total - free) - activations
+            share = int(cache.gpu_memory_utilization * total) - (total - free)
+        source = f"--gpu-memory-utilization {cache.gpu_memory_utilization} of {what}, less activations"
+
+        def budget(length: int) -> int:
+            return share - activations(length)
+
+    def fits(length: int) -> bool:
+        return max(budget(length), 0) // block_bytes >= request_blocks(length)
+
+    length = max_model_len
+    if not fits(length):
+        lo, hi = 1, length  # fits(lo) or nothing does; not fits(hi)
+        if not explicit_len and fits(lo):
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+            log.warning(
+                "the model's context of %d tokens does not fit the KV cache budget (%s); max_model_len is "
+                "%d (set --max-model-len, --kv-cache-memory or --gpu-memory-utilization to choose)",
+                max_model_len,
+                source,
+                lo,
+            )
+            length = lo
         else:
-            budget = int(cache.gpu_memory_utilization * free) - activations
-        source = (
-            f"--gpu-memory-utilization {cache.gpu_memory_utilization} of {what}, "
-            f"less {gib(activations)} for activations"
-        )
-    blocks = max(budget, 0) // block_bytes
-    if blocks < request_blocks:
-        raise DDTreeError(
-            f"the KV cache budget ({source}) holds {blocks} blocks ({gib(blocks * block_bytes)}), fewer "
-            f"than one request of max_model_len {max_model_len} needs ({request_blocks} blocks, "
-            f"{gib(block_bytes * request_blocks)}); raise --kv-cache-memory or --gpu-memory-utilization, "
-            "or lower --max-model-len"
-        )
-    return min(blocks, max_num_seqs * request_blocks) + 1
+            blocks = max(budget(length), 0) // block_bytes
+            raise DDTreeError(
+                f"the KV cache budget ({source}) holds {blocks} blocks ({gib(blocks * block_bytes)}), "
+                f"fewer than one request of max_model_len {length} needs ({request_blocks(length)} "
+                f"blocks, {gib(block_bytes * request_blocks(length))}); raise --kv-cache-memory or "
+                "--gpu-memory-utilization, or lower --max-model-len"
+            )
+    blocks = min(budget(length) // block_bytes, max_num_seqs * request_blocks(length))
+    return KVPlan(blocks + 1, length)

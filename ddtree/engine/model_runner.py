@@ -26,7 +26,7 @@ from ddtree.capture import (
     tree_mask,
 )
 from ddtree.drafter import DFlashDrafter
-from ddtree.engine.memory import CacheConfig, activation_bytes, kv_blocks
+from ddtree.engine.memory import CacheConfig, activation_bytes, plan_kv
 from ddtree.engine.request import Request
 from ddtree.errors import DDTreeError
 from ddtree.forward import TargetForward
@@ -63,6 +63,7 @@ class ModelRunner:
         max_num_batched_tokens: int,
         max_nodes: int,
         cache_config: CacheConfig,
+        explicit_len: bool,
         draft_dtype: torch.dtype | None = None,
     ) -> None:
         self.target = target
@@ -81,42 +82,56 @@ class ModelRunner:
             None if self.lm_head.bias is None else self.lm_head.bias.detach().to(draft_dtype)
         )
         self.drafter = None if drafter is None else with_mlp_dtype(drafter.eval(), draft_dtype)
-        self.max_model_len = max_model_len
         self.draft_block = 0 if drafter is None else drafter.block_size  # columns a pass writes after
-        # One block table per request, as wide as the longest request: its context, then the widest of
-        # the round's tree and the drafter's block.
         bs = cache_config.block_size
         self.block_size = bs
-        self.width = -(-(max_model_len + max(self.draft_block, 1)) // bs)
         layouts = [(len(self.forward.layers), self.forward.num_kv_heads, self.forward.head_dim, self.dtype)]
         if self.drafter is not None:
             attn = self.drafter.layers[0].self_attn
             layouts.append(
                 (len(self.drafter.layers), attn.num_kv_heads, attn.head_dim, next(attn.parameters()).dtype)
             )
-        elem = self.dtype.itemsize
         self.block_bytes = sum(2 * n * heads * dim * bs * dt.itemsize for n, heads, dim, dt in layouts)
-        activations = activation_bytes(
-            target.config, max_num_batched_tokens, max_num_seqs, max_nodes, self.width * bs, elem
-        )
-        self.num_blocks = kv_blocks(
+
+        def width(length: int) -> int:
+            """Block-table entries of a request of ``length`` tokens: its context, then the widest of the
+            round's tree and the drafter's block."""
+            return -(-(length + max(self.draft_block, 1)) // bs)
+
+        def activations(length: int) -> int:
+            return activation_bytes(
+                target.config,
+                max_num_batched_tokens,
+                max_num_seqs,
+                max_nodes,
+                width(length) * bs,
+                self.dtype.itemsize,
+                self.forward.num_kv_heads,
+                self.forward.head_dim,
+            )
+
+        plan = plan_kv(
             cache_config,
             self.device,
             self.block_bytes,
-            self.width,
-            max_num_seqs,
+            width,
             activations,
+            max_num_seqs,
             max_model_len,
+            explicit_len,
         )
+        self.num_blocks, self.max_model_len = plan.num_blocks, plan.max_model_len
+        self.width = width(self.max_model_len)
         caches = [
             PagedKVCache(n, self.num_blocks, bs, self.width, heads, dim, dt, self.device)
             for n, heads, dim, dt in layouts
         ]
         self.cache = caches[0]
         self.draft_cache = caches[1] if self.drafter is not None else None
+        self.kv_cache_bytes = sum(c.nbytes() for c in caches)
         self.fixed_shapes = False
         self.compiled = False
-        self.max_drafted = max_model_len  # drafted nodes a tree may hold (with fixed shapes: a bucket)
+        self.max_drafted = self.max_model_len  # drafted nodes a tree may hold (with fixed shapes: a bucket)
         self.inputs = StaticInputs(self.device, static=False)
         self.verify_forward = self.verify_forward_eager
         self.draft_forward = self.draft_forward_eager

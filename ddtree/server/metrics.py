@@ -84,6 +84,20 @@ class Metrics:
             "Engine rows (one per choice) waiting for a place in the batch",
             registry=r,
         )
+        self.kv_blocks = Gauge(
+            "ddtree_kv_cache_blocks",
+            "KV cache blocks of the pool, by state (used, free; the scratch block is in neither)",
+            ["state"],
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            "ddtree_kv_cache_usage_perc", "Share of the KV cache blocks in use (0-1)", registry=r
+        )
+        self.preemptions = Counter(
+            "ddtree_num_preemptions",
+            "Running requests preempted (their KV blocks freed, recomputed later) for lack of blocks",
+            registry=r,
+        )
         self.step_rows = Histogram(
             "ddtree_step_rows",
             "Rows in one engine step's round (the running batch; the rows it admits start next step)",

@@ -112,6 +112,7 @@ class EngineWorker:
         self._commands: deque[tuple[str, Job, tuple[str, ...]]] = deque()  # consumed between steps
         self._jobs: set[Job] = set()  # admitted by submit, not done yet (the 429 limit counts them)
         self._rows: dict[str, Job] = {}  # engine request id -> its job (engine thread only)
+        self._preemptions = 0  # the engine's count the metrics have seen
         self._draining = False  # shutting down: no new work, the jobs in flight may finish
         self._stopping = False
         self._cond = threading.Condition()
@@ -197,11 +198,23 @@ class EngineWorker:
             return
         self.engine = model
         self.state = "ready"
+        engine = model.engine
         log.info(
             "engine ready (batches of up to %d requests, %d torch threads)",
-            model.engine.max_batch_size,
+            engine.max_batch_size,
             torch.get_num_threads(),  # this thread's: the one that runs every forward
         )
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %s); max_model_len %d: %.1f requests at full "
+            "length at once",
+            engine.blocks.num_blocks - 1,
+            engine.blocks.block_size,
+            engine.runner.kv_cache_bytes / (1 << 30),
+            engine.dtype,
+            engine.max_model_len,
+            (engine.blocks.num_blocks - 1) / engine.runner.width,
+        )
+        self._count()
         try:
             self._loop(model)
         finally:
@@ -312,8 +325,15 @@ class EngineWorker:
         self.metrics.queue_depth.set(waiting)
         self.metrics.running.set(running)
         if self.engine is not None and threading.current_thread() is self._thread:
-            self.metrics.rows_running.set(self.engine.engine.num_running)
-            self.metrics.rows_waiting.set(self.engine.engine.num_waiting)
+            engine = self.engine.engine
+            self.metrics.rows_running.set(engine.num_running)
+            self.metrics.rows_waiting.set(engine.num_waiting)
+            used, free = engine.blocks.num_used, engine.blocks.num_free
+            self.metrics.kv_blocks.labels("used").set(used)
+            self.metrics.kv_blocks.labels("free").set(free)
+            self.metrics.kv_usage.set(used / max(used + free, 1))
+            self.metrics.preemptions.inc(engine.num_preemptions - self._preemptions)
+            self._preemptions = engine.num_preemptions
 
 
 def log_compile(engine) -> None:

@@ -1,0 +1,219 @@
+"""The paged KV cache: a pool sized by the memory budget, blocks taken as requests grow and returned when
+they end, preemption that changes no output, and chunked prefill that keeps running streams going."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+from conftest import VOCAB, tiny_drafter, tiny_target
+
+from ddtree import Engine, SamplingParams
+from ddtree.engine import memory
+from ddtree.errors import DDTreeError
+from ddtree.params import parse_size
+
+PROMPTS = [[1, 5, 9, 22, 3], [7], [30, 2, 2, 14, 8, 19, 25, 11, 4, 0, 6, 13]]
+
+
+def tokens(n: int, salt: int = 0) -> list[int]:
+    return [2 + (salt + 5 * j) % (VOCAB - 3) for j in range(n)]
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_target()
+    target.config.max_position_embeddings = 4096  # room for a 3,000-token prompt
+    return target, tiny_drafter(target)
+
+
+def engine(models, **options) -> Engine:
+    return Engine(*models, **({"max_model_len": 256} | options))
+
+
+def run(engine: Engine, specs: list[tuple[list[int], SamplingParams, str]]) -> list[list[int]]:
+    """Every spec as one request, all in flight together; their token ids in order."""
+    ids = [engine.add_request(p, params, method=m) for p, params, m in specs]
+    out: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            out[d.request_id] += d.token_ids
+    return [out[i] for i in ids]
+
+
+def assert_pool_whole(e: Engine) -> None:
+    assert e.blocks.num_free == e.blocks.num_blocks - 1 and e.blocks.num_used == 0
+    assert not e.scheduler.running and not e.scheduler.waiting
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("4GiB", 4 << 30), ("512MiB", 512 << 20), ("8G", 8 * 10**9), ("1e9", 10**9), ("123", 123)],
+)
+def test_memory_sizes_read_like_vllm(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "-1GiB", "0", "4 XB"])
+def test_a_memory_size_that_is_not_one_is_refused_in_one_line(text):
+    with pytest.raises(DDTreeError, match="memory size") as info:
+        parse_size(text)
+    assert "\n" not in str(info.value)
+
+
+def test_the_pool_holds_what_kv_cache_memory_buys(models):
+    e = engine(models, kv_cache_memory="2MiB")
+    runner = e.runner
+    assert runner.num_blocks - 1 == (2 << 20) // runner.block_bytes  # plus the scratch block
+    assert runner.kv_cache_bytes == runner.num_blocks * runner.block_bytes
+    keys = runner.cache.keys[0]
+    assert keys.shape[:2] == (runner.num_blocks, 16)  # [num_blocks, block_size, kv_heads, D]
+
+
+def test_the_pool_is_capped_at_every_row_at_full_length(models):
+    e = engine(models, kv_cache_memory="1GiB", max_num_seqs=3)
+    assert e.runner.num_blocks - 1 == 3 * e.runner.width
+
+
+def test_the_pool_grows_with_the_memory_share(models, monkeypatch):
+    """Without --kv-cache-memory the pool is the share of the available memory less the activations: each
+    extra tenth of it buys a tenth of the memory in blocks."""
+    monkeypatch.setattr(memory, "available_memory", lambda device: (200 << 20, "200 MiB"))
+    sizes = {u: engine(models, gpu_memory_utilization=u, max_model_len=4096).runner for u in (0.5, 0.6)}
+    assert sizes[0.6].num_blocks - 1 < 16 * sizes[0.6].width  # below the cap: the share decides
+    extra = (sizes[0.6].num_blocks - sizes[0.5].num_blocks) * sizes[0.5].block_bytes
+    assert abs(extra - 0.1 * (200 << 20)) <= sizes[0.5].block_bytes
+
+
+def test_a_budget_short_of_one_request_names_the_flags(models):
+    with pytest.raises(DDTreeError, match="--kv-cache-memory or --gpu-memory-utilization") as info:
+        engine(models, kv_cache_memory="64KiB", max_model_len=256)
+    assert "max_model_len 256" in str(info.value) and "--max-model-len" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_the_models_context_is_lowered_to_what_the_budget_holds(models, caplog):
+    """No --max-model-len: the model's context (4,096 here) shrinks to fit, with a warning, as vLLM's
+    --max-model-len auto does."""
+    with caplog.at_level(logging.WARNING, logger="ddtree.engine.memory"):
+        e = Engine(*models, kv_cache_memory="256KiB")
+    assert 0 < e.max_model_len < 4096
+    assert e.runner.width * e.blocks.block_size <= 256 * 1024 // e.runner.block_bytes * 16
+    assert "max_model_len is" in caplog.text
+    with pytest.raises(DDTreeError, match="exceeds the context"):
+        e.add_request(tokens(8), SamplingParams(max_new_tokens=e.max_model_len))
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_outputs_do_not_depend_on_the_block_size(models, block_size):
+    specs = [
+        (PROMPTS[i % len(PROMPTS)], SamplingParams(max_new_tokens=30, ignore_eos=True), m)
+        for i, m in enumerate(["ddtree", "dflash", "ar", "ddtree"])
+    ]
+    specs.append((PROMPTS[1], SamplingParams(temperature=1.0, seed=3, max_new_tokens=30), "ddtree"))
+    reference = run(engine(models, block_size=64), specs)
+    e = engine(models, block_size=block_size)
+    assert run(e, specs) == reference
+    assert_pool_whole(e)
+
+
+def test_a_finished_request_frees_its_blocks_and_moves_nobody_elses(models):
+    e = engine(models)
+    short = e.add_request(PROMPTS[0], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    e.add_request(PROMPTS[1], SamplingParams(max_new_tokens=60, ignore_eos=True))
+    e.step()  # both prefilled
+    long_ = next(r for r in e.running if r.request_id != short)
+    used = e.blocks.num_used
+    while any(r.request_id == short for r in e.running):
+        blocks_before, committed = list(long_.blocks), long_.start
+        keys_before = e.cache.keys[0][blocks_before].clone()
+        e.step()
+    assert long_.blocks[: len(blocks_before)] == blocks_before
+    # Its committed keys stayed where they were through the round that released the short request.
+    after = e.cache.keys[0][blocks_before].flatten(0, 1)[:committed]
+    assert torch.equal(after, keys_before.flatten(0, 1)[:committed])
+    assert e.blocks.num_used < used + 2  # the short one's blocks came back
+
+
+def test_preempted_requests_resume_with_the_tokens_of_their_solo_run(models):
+    """A pool of about three long requests' worth and 12 long requests at once: rows are preempted when
+    the pool runs out and recomputed later; every request completes with its solo run's tokens."""
+    probe = engine(models)
+    per_request = -(-(20 + 150 + probe.drafter.block_size) // 16)  # blocks of one whole request
+    e = engine(models, kv_cache_memory=3 * per_request * probe.runner.block_bytes, max_num_seqs=12)
+    specs = []
+    for i in range(12):
+        prompt = tokens(20, salt=7 * i)
+        params = SamplingParams(max_new_tokens=150, ignore_eos=True)
+        if i % 4 == 3:
+            params = SamplingParams(max_new_tokens=150, ignore_eos=True, temperature=1.0, seed=i)
+        specs.append((prompt, params, ["ddtree", "dflash", "ar"][i % 3]))
+    got = run(e, specs)
+    solo = [run(probe, [spec])[0] for spec in specs]
+    assert e.num_preemptions > 0
+    assert got == solo
+    assert all(len(tokens) == 150 for tokens in got)
+    assert_pool_whole(e)
+
+
+def test_every_block_comes_back_after_aborts(models):
+    """200 requests, a third aborted at a random moment (waiting, prefilled, decoding, preempted): the
+    pool ends whole."""
+    rng = random.Random(0)
+    probe = engine(models)
+    per_request = -(-(12 + 40 + probe.drafter.block_size) // 16)
+    e = engine(
+        models, kv_cache_memory=4 * per_request * probe.runner.block_bytes, max_num_seqs=6, max_model_len=64
+    )
+    live: list[str] = []
+    for _ in range(200):
+        params = SamplingParams(max_new_tokens=rng.randint(1, 40), temperature=rng.choice([0.0, 1.0]))
+        prompt = tokens(rng.randint(1, 12), salt=rng.randrange(100))
+        live.append(e.add_request(prompt, params, method=rng.choice(["ddtree", "dflash", "ar"])))
+        if rng.random() < 0.35:
+            e.abort(live.pop(rng.randrange(len(live))))
+        for d in e.step():
+            if d.finish_reason is not None and d.request_id in live:
+                live.remove(d.request_id)
+    while e.has_unfinished_requests():
+        e.step()
+    assert e.num_preemptions > 0
+    assert_pool_whole(e)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_rounds_of_running_streams(models):
+    """While 8 streams decode, a 3,000-token prompt arrives: its prefill takes several steps, and no
+    stream waits more than two steps between tokens. Its output equals an unchunked prefill's."""
+    long_prompt = tokens(3000)
+    greedy = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    whole = engine(models, max_model_len=4096, max_num_batched_tokens=4096)
+    reference = run(whole, [(long_prompt, greedy, "ddtree")])[0]
+    e = engine(models, max_model_len=4096, max_num_batched_tokens=512)
+    params = SamplingParams(max_new_tokens=300, ignore_eos=True)
+    streams = [e.add_request(PROMPTS[i % 3], params) for i in range(8)]
+    while e.scheduler.waiting or any(r.prefilling for r in e.running):
+        e.step()
+    e.step()  # a round: every stream has just had tokens
+    prefill, chunks = e.runner.prefill, []
+
+    def spy(batch, tables, features):
+        chunks.append(sum(len(ids) for ids, _ in batch))
+        return prefill(batch, tables, features)
+
+    e.runner.prefill = spy
+    long_id = e.add_request(long_prompt, greedy)
+    last, worst, step, got = dict.fromkeys(streams, 0), 0, 0, []
+    while not got:  # until the long prompt's prefill ends with its first token
+        step += 1
+        for d in e.step():
+            if d.request_id == long_id:
+                got += d.token_ids
+            elif d.token_ids:
+                worst, last[d.request_id] = max(worst, step - last[d.request_id]), step
+    assert len(chunks) >= 3000 // 512 and max(chunks) <= 512  # the prompt took several steps
+    assert worst <= 2 and all(step - s <= 2 for s in last.values())
+    while e.has_unfinished_requests():
+        got += [t for d in e.step() if d.request_id == long_id for t in d.token_ids]
+    assert got == reference

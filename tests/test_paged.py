@@ -8,12 +8,12 @@ import random
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_drafter, tiny_target
 
 from ddtree import Engine, SamplingParams
 from ddtree.engine import memory
 from ddtree.errors import DDTreeError
 from ddtree.params import parse_size
+from tests.conftest import VOCAB, tiny_drafter, tiny_target
 
 PROMPTS = [[1, 5, 9, 22, 3], [7], [30, 2, 2, 14, 8, 19, 25, 11, 4, 0, 6, 13]]
 

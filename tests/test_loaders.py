@@ -309,3 +309,20 @@ def test_load_target_resolves_auto_from_the_checkpoint(tmp_path, monkeypatch, na
     loaded, tokenizer = load_target(tmp_path / "bf16", dtype="auto")
     assert loaded.dtype == (torch.bfloat16 if native_bf16 else torch.float32) and tokenizer is None
     assert load_target(tmp_path / "bf16", dtype=torch.float16)[0].dtype == torch.float16
+
+
+def test_text_prompts_get_the_tokenizers_special_tokens_as_hf_adds_them():
+    """A Llama-style tokenizer adds a BOS: the engine's text prompts get it (HF and vLLM add it); a
+    rendered chat template, which carries its own, asks for none."""
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = tiny_tokenizer()
+    bos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)]
+    )
+    target = tiny_target(vocab=len(tokenizer))
+    engine = Engine(target, tiny_drafter(target), tokenizer, max_model_len=64)
+    ids = engine.encode("def fib(n):")
+    assert ids == tokenizer("def fib(n):").input_ids and ids[0] == bos
+    assert engine.encode("def fib(n):", add_special_tokens=False) == ids[1:]

@@ -397,13 +397,14 @@ class Engine:
         """
         return self._follow(self.add_request(prompt, params, method=method, budget=budget, topk=topk))
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt; text gets the tokenizer's special tokens (a BOS for Llama) as HF and
+        vLLM add them, unless it already has them (a rendered chat template: ``add_special_tokens=False``)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise DDTreeError("a text prompt needs a tokenizer; pass token ids instead")
-            # Special tokens (a BOS) as the tokenizer adds them by default, as HF and vLLM do; verbose=False:
-            # an over-long prompt gets our DDTreeError, not transformers' warning first.
-            ids = self.tokenizer.encode(prompt, verbose=False)
+            # verbose=False: an over-long prompt gets our DDTreeError, not transformers' warning first
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens, verbose=False)
         else:
             ids = [int(t) for t in prompt]
         if not ids:

@@ -96,7 +96,9 @@ def plan_choices(model: ServedModel, plan: Plan) -> list[Choice]:
         prompts, param = plan.prompts or [], "prompt"
     choices = []
     for i, prompt in enumerate(prompts):
-        prompt_ids = _encode(engine, prompt, param)
+        # A rendered chat carries its template's special tokens already (HF's apply_chat_template and vLLM
+        # add none then); a completion prompt gets the tokenizer's (a BOS for Llama).
+        prompt_ids = _encode(engine, prompt, param, add_special_tokens=plan.messages is None)
         max_new = _max_new_tokens(plan, len(prompt_ids), model.max_positions, param)
         for j in range(plan.n):
             index = i * plan.n + j
@@ -209,11 +211,11 @@ class Generation:
             self.metrics.record_generation(row.stats.method, lengths, row.tokens)
 
 
-def _encode(engine, prompt: str | list[int], param: str) -> list[int]:
+def _encode(engine, prompt: str | list[int], param: str, add_special_tokens: bool) -> list[int]:
     if isinstance(prompt, str) and engine.tokenizer is None:
         raise invalid("this model has no tokenizer; send the prompt as token ids", param)
     try:
-        return engine.encode(prompt)
+        return engine.encode(prompt, add_special_tokens)
     except DDTreeError as exc:
         raise invalid(str(exc), param) from None
 

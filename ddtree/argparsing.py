@@ -153,8 +153,8 @@ def apply_threads(threads: int | None) -> int:
 def add_memory_options(p: argparse.ArgumentParser) -> None:
     """The model's precision and memory, under vLLM's flag names."""
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                   help="weights and KV cache; auto = the checkpoint's (float32 for bf16/fp16 checkpoints on "
-                   "a CPU without native bf16 matmuls, where it is faster)")  # fmt: skip
+                   help="weights and KV cache; auto = the checkpoint's (float32 for small bf16/fp16 "
+                   "checkpoints on a CPU without native bf16 matmuls, where it is faster)")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="tokens per request, prompt and output (default: the model's context)")  # fmt: skip
     p.add_argument("--kv-cache-memory", type=memory_size, default=None, metavar="SIZE",

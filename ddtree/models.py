@@ -75,12 +75,27 @@ def _read_config(directory: Path, what: str) -> dict:
         raise DDTreeError(f"{what} config {path} is not valid JSON: {exc.msg}") from None
 
 
+# Below this many parameters a CPU without native bf16 decodes faster in float32 (matmuls small enough to
+# be compute-bound, and bf16 is emulated); above it, bf16's halved weight bytes win (docs/benchmarks.md:
+# the built-in 6M-parameter pair 0.72x in bf16, Qwen3-0.6B's shapes 1.65x).
+SMALL_MODEL_PARAMETERS = 100_000_000
+
+
+def approximate_parameters(config: dict) -> int:
+    """Parameters of a decoder from its config: embeddings plus per layer attention and MLP matrices."""
+    h = int(config.get("hidden_size", 0))
+    inter = int(config.get("intermediate_size", 4 * h))
+    layers = int(config.get("num_hidden_layers", 0))
+    return int(config.get("vocab_size", 0)) * h + layers * (4 * h * h + 3 * h * inter)
+
+
 def resolve_dtype(
     name: str | torch.dtype | None, config: dict, device: str | torch.device = "cpu"
 ) -> torch.dtype:
     """The dtype to load weights in: ``name`` (vLLM's names and aliases), or for "auto" (and None) the
     checkpoint's own ``dtype`` / ``torch_dtype`` (float32 if absent). On a CPU without native bf16 matmuls
-    "auto" gives float32 for a half-precision checkpoint: there half precision is emulated, and slower."""
+    "auto" gives float32 for a small half-precision checkpoint (``SMALL_MODEL_PARAMETERS``): there half
+    precision is emulated, and only pays where the weights' bytes dominate."""
     if isinstance(name, torch.dtype):
         return name
     if name is None or name == "auto":
@@ -90,8 +105,8 @@ def resolve_dtype(
             raise DDTreeError(
                 f"checkpoint dtype {stored!r} is not one of {', '.join(DTYPE_CHOICES[1:])}; pass a dtype"
             )
-        cpu = torch.device(device).type == "cpu"
-        if dtype != torch.float32 and cpu and not torch.cpu._is_avx512_bf16_supported():
+        emulated = torch.device(device).type == "cpu" and not torch.cpu._is_avx512_bf16_supported()
+        if dtype != torch.float32 and emulated and approximate_parameters(config) < SMALL_MODEL_PARAMETERS:
             return torch.float32
         return dtype
     dtype = _DTYPES.get(str(name).lower())

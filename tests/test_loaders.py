@@ -283,14 +283,24 @@ def test_explicit_dtypes_map_whatever_the_checkpoint_says(name, expected):
     assert resolve_dtype(name, {"dtype": "bfloat16"}, torch.device("cpu")) == expected
 
 
+QWEN3_0_6B = {"vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28}
+SMALL = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6}
+
+
 @pytest.mark.parametrize("native_bf16", [False, True])
-def test_auto_is_the_checkpoints_dtype_but_float32_on_a_cpu_without_native_bf16(monkeypatch, native_bf16):
+def test_auto_is_the_checkpoints_dtype_but_float32_for_small_models_on_a_cpu_without_native_bf16(
+    monkeypatch, native_bf16
+):
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native_bf16)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     bf16, fp16 = (torch.bfloat16, torch.float16) if native_bf16 else (torch.float32, torch.float32)
-    assert resolve_dtype("auto", {"dtype": "bfloat16"}, cpu) == bf16
-    assert resolve_dtype(None, {"torch_dtype": "float16"}, cpu) == fp16
-    assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}, cuda) == torch.bfloat16  # a GPU keeps it
+    assert resolve_dtype("auto", SMALL | {"dtype": "bfloat16"}, cpu) == bf16
+    assert resolve_dtype(None, SMALL | {"torch_dtype": "float16"}, cpu) == fp16
+    # A real-size model keeps bf16 either way: halving its weights' bytes wins even when bf16 is emulated.
+    assert resolve_dtype("auto", QWEN3_0_6B | {"dtype": "bfloat16"}, cpu) == torch.bfloat16
+    assert (
+        resolve_dtype("auto", SMALL | {"torch_dtype": "bfloat16"}, cuda) == torch.bfloat16
+    )  # a GPU keeps it
     assert resolve_dtype("auto", {"dtype": None}, cuda) == torch.float32  # no dtype recorded: float32
 
 

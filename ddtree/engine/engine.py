@@ -186,8 +186,8 @@ class Engine:
     ) -> Engine:
         """Load a target (and drafter) from local directories; with neither, the built-in pair.
 
-        ``dtype`` "auto" is the checkpoint's, except bf16 / fp16 on a CPU without native bf16 matmuls,
-        where float32 is faster (``docs/models.md``)."""
+        ``dtype`` "auto" is the checkpoint's, except a small bf16 / fp16 model on a CPU without native bf16
+        matmuls, where float32 is faster (``docs/models.md``)."""
         if target_dir is None and drafter_dir is None:
             target_dir, drafter_dir = DEFAULT_TARGET, DEFAULT_DRAFTER
         check_engine_options(method, budget, topk, drafter_dir is not None)  # fail before loading weights

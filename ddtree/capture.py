@@ -6,7 +6,7 @@ only valid for the shapes and addresses it was captured with, so with ``Engine(c
 
 - the verify batch is padded to a **batch bucket** (rows) and a **node bucket** (tree nodes, root
   included); dummy rows and nodes write only the scratch column and are never read or committed;
-- attention reads the whole fixed-capacity cache row (``capacity + 1`` columns) behind a mask built in the
+- attention reads a span bucket of each row's block table (by default all of it) behind a mask built in the
   graph from per-row lengths and the tree block, as gpt-fast reads its ``max_seq_length`` cache;
 - the drafter pass is padded to a batch bucket and a context width of one block (the most a round can
   commit); a longer backlog is consumed by repeating the same pass;
@@ -64,7 +64,7 @@ def check_buckets(
 def check_batch_buckets(
     name: str, buckets: Sequence[int] | None, max_batch_size: int
 ) -> tuple[int, ...] | None:
-    """``check_buckets`` for batch buckets: the largest is the maximum batch size (cache rows past it do not
+    """``check_buckets`` for batch buckets: the largest is the maximum batch size (rows past it do not
     exist, and a batch of that many rows needs a bucket)."""
     checked = check_buckets(name, buckets, max_batch_size)
     if checked is not None and checked[-1] != max_batch_size:

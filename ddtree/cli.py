@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-GENERATE_BATCH_SIZE = 1  # ``generate`` runs one request: one cache row, and one batch shape to compile
+GENERATE_BATCH_SIZE = 1  # ``generate`` runs one request: one row, and one batch shape to compile
 
 
 def max_batch_size(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from ddtree.kv_cache import CacheWrite
 
 
 class TargetForward:
-    """``decoder(ids, positions, cache rows/columns, mask) -> final hidden states (+ drafter features)``."""
+    """``decoder(ids, positions, KV blocks/columns, mask) -> final hidden states (+ drafter features)``."""
 
     def __init__(self, target) -> None:
         config = target.config  # its attention is full over the context (ddtree.models checks it)

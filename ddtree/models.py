@@ -77,7 +77,7 @@ def _read_config(directory: Path, what: str) -> dict:
 
 # Below this many parameters a CPU without native bf16 decodes faster in float32 (matmuls small enough to
 # be compute-bound, and bf16 is emulated); above it, bf16's halved weight bytes win (docs/benchmarks.md:
-# the built-in 6M-parameter pair 0.72x in bf16, Qwen3-0.6B's shapes 1.65x).
+# the built-in 6M-parameter pair 0.74x in bf16, Qwen3-0.6B's shapes 1.65x).
 SMALL_MODEL_PARAMETERS = 100_000_000
 
 

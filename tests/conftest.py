@@ -58,10 +58,9 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
 
 
-def tiny_target(arch: str = "qwen3", vocab: int = VOCAB, seed: int = 0, init: float = 0.3):
-    """A 4-layer target whose greedy continuations vary (a large init avoids one repeated token)."""
-    torch.manual_seed(seed)
-    common = dict(
+def tiny_config_fields(vocab: int = VOCAB, init: float = 0.3) -> dict:
+    """A 4-layer config's fields whose greedy continuations vary (a large init avoids one repeated token)."""
+    return dict(
         vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
@@ -75,6 +74,12 @@ def tiny_target(arch: str = "qwen3", vocab: int = VOCAB, seed: int = 0, init: fl
         eos_token_id=None,
         pad_token_id=None,
     )
+
+
+def tiny_target(arch: str = "qwen3", vocab: int = VOCAB, seed: int = 0, init: float = 0.3):
+    """A 4-layer target whose greedy continuations vary."""
+    torch.manual_seed(seed)
+    common = tiny_config_fields(vocab, init)
     if arch == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(**common)).eval()
     return LlamaForCausalLM(LlamaConfig(**common)).eval()

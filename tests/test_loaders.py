@@ -30,7 +30,7 @@ from ddtree.models import (
     resolve_dtype,
 )
 from ddtree.params import SamplingParams
-from tests.conftest import tiny_drafter, tiny_target, tiny_tokenizer
+from tests.conftest import tiny_config_fields, tiny_drafter, tiny_target, tiny_tokenizer
 
 ARCHS = ("qwen3_moe", "qwen2", "mistral", "llama")
 CLASSES = {
@@ -48,20 +48,7 @@ TOKENIZER = tiny_tokenizer()
 def small_config(arch: str, **overrides):
     """A 4-layer config like conftest's tiny_target (init 0.3: greedy output varies); MoE with 4 experts,
     top-2, so routing matters."""
-    fields = dict(
-        vocab_size=len(TOKENIZER),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=CONTEXT,
-        initializer_range=0.3,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+    fields = tiny_config_fields(len(TOKENIZER)) | {"max_position_embeddings": CONTEXT}
     if arch == "qwen3_moe":
         fields |= dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     if arch == "mistral":

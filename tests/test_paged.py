@@ -80,7 +80,7 @@ def test_the_pool_is_capped_at_every_row_at_full_length(models):
 def test_the_pool_grows_with_the_memory_share(models, monkeypatch):
     """Without --kv-cache-memory the pool is the share of the available memory less the activations: each
     extra tenth of it buys a tenth of the memory in blocks."""
-    monkeypatch.setattr(memory, "available_memory", lambda device: (200 << 20, "200 MiB"))
+    monkeypatch.setattr(memory, "available_memory", lambda device: (200 << 20, 200 << 20, "200 MiB"))
     sizes = {u: engine(models, gpu_memory_utilization=u, max_model_len=4096).runner for u in (0.5, 0.6)}
     assert sizes[0.6].num_blocks - 1 < 16 * sizes[0.6].width  # below the cap: the share decides
     extra = (sizes[0.6].num_blocks - sizes[0.5].num_blocks) * sizes[0.5].block_bytes

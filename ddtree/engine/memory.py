@@ -28,18 +28,21 @@ def gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / (1 << 20):.2f} MiB"
 
 
-def available_memory(device: torch.device) -> tuple[int, str]:
-    """Bytes this process may still take on ``device``, and what they are a share of (for messages)."""
+def available_memory(device: torch.device) -> tuple[int, int, str]:
+    """Bytes free on ``device``, the bytes the utilization share is of, and those in words (messages).
+
+    On CUDA the share is of the device's whole memory, and what is in use (by anyone) counts against it,
+    as in vLLM; on a CPU it is of the RAM available now."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return free, f"{gib(free)} free of the device's {gib(total)}"
+        return free, total, f"{gib(free)} free of the device's {gib(total)}"
     try:
         with open("/proc/meminfo") as f:
             info = dict(line.split(":", 1) for line in f)
         free = int(info["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return free, f"{gib(free)} of RAM available"
+    return free, free, f"{gib(free)} of RAM available"
 
 
 @dataclass(frozen=True)
@@ -98,11 +101,8 @@ def plan_kv(
         def budget(length: int) -> int:
             return cache.kv_cache_memory
     else:
-        free, what = available_memory(device)
-        share = int(cache.gpu_memory_utilization * free)
-        if device.type == "cuda":
-            _, total = torch.cuda.mem_get_info(device)
-            share = int(cache.gpu_memory_utilization * total) - (total - free)
+        free, total, what = available_memory(device)
+        share = int(cache.gpu_memory_utilization * total) - (total - free)
         source = f"--gpu-memory-utilization {cache.gpu_memory_utilization} of {what}, less activations"
 
         def budget(length: int) -> int:

@@ -140,7 +140,11 @@ class ModelRunner:
         """Columns attention reads for ``needed``: whole blocks (with fixed shapes, a span bucket)."""
         if self.fixed_shapes:
             return pick(self.span_buckets, needed)
-        return -(-needed // self.block_size) * self.block_size
+        return self.whole_blocks(needed)
+
+    def whole_blocks(self, columns: int) -> int:
+        """``columns`` rounded up to a multiple of the block size (attention reads whole blocks)."""
+        return -(-columns // self.block_size) * self.block_size
 
     def block_tables(self, requests: list[Request | None], rows: int | None = None) -> np.ndarray:
         """The requests' block tables [rows, width + 1] (None and padding rows: all scratch)."""
@@ -181,8 +185,7 @@ class ModelRunner:
         self.max_drafted = self.node_buckets[-1] - 1
         whole = self.cache.capacity  # the last span bucket is always the whole block table
         spans = check_buckets("span_buckets", span_buckets, whole) or ()
-        bs = self.block_size
-        self.span_buckets = tuple(sorted({*(-(-s // bs) * bs for s in spans), whole}))
+        self.span_buckets = tuple(sorted({*map(self.whole_blocks, spans), whole}))
         if compile:
             shapes = len(self.batch_buckets) * len(self.node_buckets) * len(self.span_buckets)
             caches = [c for c in (self.cache, self.draft_cache) if c is not None]

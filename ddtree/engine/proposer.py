@@ -121,14 +121,19 @@ class Proposer:
     def columns(self, r: Request) -> int:
         """The most cache columns row r writes this round: its tree's nodes, or the drafter's block after
         its context (the scheduler takes the blocks before the round)."""
-        nodes = 1 if not r.drafts else 1 + min(self.budget(r), self.room(r) - 1, self.runner.max_drafted)
-        if r.method == "dflash":
-            nodes = 1 + self.depth(r)
-        return r.start + max(nodes, self.runner.draft_block if r.drafts else 1)
+        if not r.drafts:
+            return r.start + 1
+        drafted = min(self.depth(r) if r.method == "dflash" else self.budget(r), self.drafted_room(r))
+        return r.start + max(1 + drafted, self.runner.draft_block)
 
     def room(self, r: Request) -> int:
         """Tree nodes row r can still hold: its cache columns from ``start`` to the capacity."""
         return self.runner.max_model_len - r.start
+
+    def drafted_room(self, r: Request) -> int:
+        """Drafted nodes that fit in the row and in the largest node bucket (a tree never changes the
+        output)."""
+        return min(self.room(r) - 1, self.runner.max_drafted)
 
     def budget(self, r: Request) -> int:
         """Nodes of the tree built this round; for "auto", candidates: a few more than chosen last time
@@ -144,8 +149,7 @@ class Proposer:
     def tree(self, r: Request, draft_logits: torch.Tensor | None) -> DraftTree:
         """Row r's tree: the root alone (``ar``, or no draft this round), the argmax chain (``dflash``) or
         the best-first tree (``ddtree``; with budget "auto", of ``auto_max_budget`` candidates)."""
-        # Drafted nodes that fit in the row and in the largest node bucket (a tree never changes the output).
-        room = min(self.room(r) - 1, self.runner.max_drafted)
+        room = self.drafted_room(r)
         if draft_logits is None or room < 1:
             return DraftTree.root_only(r.root)
         if r.method == "dflash":

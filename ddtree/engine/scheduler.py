@@ -73,10 +73,6 @@ class Scheduler:
         """The running requests past their prefill: a round's rows, in order."""
         return [r for r in self.running if not r.prefilling]
 
-    @property
-    def drafting(self) -> list[Request]:
-        return [r for r in self.decoding if r.drafts]
-
     def _prefill_tokens(self, r: Request, end: int) -> int:
         """Columns request r needs with ``end`` prefill tokens cached (a drafter writes its block after)."""
         return end + (self.draft_block if r.drafts else 0)

@@ -80,13 +80,13 @@ class Verifier:
         b, n = len(rows), max(sizes, default=1)
         starts = np.array([r.start for r in rows], dtype=np.int64)  # [B]
         needed = int(max((s + m for s, m in zip(starts, sizes, strict=True)), default=1))
+        span = self.runner.span(needed)  # whole blocks, or with fixed shapes a span bucket
         if shape is not None:
             bp, np_, span = shape
         elif self.runner.fixed_shapes:
             bp, np_ = pick(self.runner.batch_buckets, b), pick(self.runner.node_buckets, n)
-            span = self.runner.span(needed)
         else:
-            bp, np_, span = b, n, self.runner.span(needed)
+            bp, np_ = b, n
         all_starts = np.ones(bp, dtype=np.int64)  # a dummy row sees column 0 (a masked-out row is NaN)
         all_starts[:b] = starts
         ids = np.zeros((bp, np_), dtype=np.int64)

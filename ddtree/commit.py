@@ -20,30 +20,21 @@ from ddtree.params import SamplingParams
 
 
 def pack_accepted(
-    cache: PagedKVCache, tables: torch.Tensor, starts: list[int], paths: list[list[int]]
+    cache: PagedKVCache, tables: torch.Tensor, starts: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor
 ) -> None:
-    """Row i (block table ``tables[i]``) keeps the keys/values of its tree nodes ``paths[i]`` at columns
-    ``starts[i] + 0 .. m``.
+    """Row i (block table ``tables[i]``) keeps the keys/values of its accepted nodes ``path[i, :lengths[i]]``
+    at columns ``starts[i] + 0 .. lengths[i]`` (tables [B, width + 1], starts [B], path [B, S], lengths [B]).
 
-    A path is m increasing node indices starting with the root (0), which stays where it is. A path that is
-    already ``0 .. m - 1`` (a first-child chain, the common case) is in place; the others move together in
-    one gather and one scatter per buffer, padded with the scratch column. The tree's other columns need no
-    clearing: the next round's mask hides everything past a row's committed tokens.
+    A path is increasing node indices starting with the root (0), which stays where it is; every row moves
+    in one gather and one scatter per buffer, on the device (a first-child chain moves onto itself), with
+    the entries past a row's path sent to the scratch column. The tree's other columns need no clearing:
+    the next round's mask hides everything past a row's committed tokens.
     """
-    moved = [
-        (i, start, path)
-        for i, (start, path) in enumerate(zip(starts, paths, strict=True))
-        if path[-1] != len(path) - 1
-    ]
-    if not moved:
-        return
-    width = max(len(path) for _, _, path in moved)
-    pad = [cache.scratch] * width
-    src = [[start + j for j in path] + pad[len(path) :] for _, start, path in moved]  # [K, width]
-    dst = [list(range(start, start + len(path))) + pad[len(path) :] for _, start, path in moved]
-    device = tables.device
-    rows = torch.tensor([i for i, _, _ in moved], device=device)
-    cache.move_cols(tables[rows], *(torch.tensor(x, device=device) for x in (src, dst)))
+    steps = path.shape[1]
+    on_path = torch.arange(steps, device=path.device)[None] < lengths[:, None]  # [B, S]
+    src = torch.where(on_path, starts[:, None] + path, cache.scratch)  # [B, S]
+    dst = torch.where(on_path, starts[:, None] + torch.arange(steps, device=path.device), cache.scratch)
+    cache.move_cols(tables, src, dst)
 
 
 @dataclass

@@ -11,36 +11,43 @@ target with the rejected tokens removed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ddtree.params import SamplingParams, check_accept_thresholds
-
-if TYPE_CHECKING:
-    from ddtree.tree import DraftTree, TreeRetrieve
+from ddtree.tree import DraftTree, TreeBatch, TreeRetrieve, top_k_rows
+from ddtree.verify import Accepted
 
 
 @dataclass
 class SamplingTensors:
     """Per-row sampling parameters as [B] tensors (SGLang's ``SamplingBatchInfo``): one filter pass serves a
-    batch whose requests each asked for their own temperature / top-k / top-p / min-p."""
+    batch whose requests each asked for their own temperature / top-k / top-p / min-p. Which filters any
+    row uses is decided on the host when the batch is built, so filtering never asks the device."""
 
     temperature: torch.Tensor  # [B] float32, > 0
     top_k: torch.Tensor  # [B] int64, 0 = off
     top_p: torch.Tensor  # [B] float64 (1 - top_p is taken in double, as HF does), 1.0 = off
     min_p: torch.Tensor  # [B] float32, 0.0 = off
+    max_top_k: int = 0  # the largest top_k of the batch (0: no row filters by top-k)
+    any_top_p: bool = False
+    any_min_p: bool = False
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> SamplingTensors:
         if any(p.greedy for p in params):
             raise ValueError("sampling tensors need temperature > 0; greedy decoding takes the argmax")
+        columns = np.array([(p.temperature, p.top_k, p.top_p, p.min_p) for p in params], dtype=np.float64)
+        host = torch.from_numpy(columns.T.copy())  # [4, B]: one upload per dtype, no Python loop per field
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            temperature=host[0].float().to(device, non_blocking=True),
+            top_k=host[1].long().to(device, non_blocking=True),
+            top_p=host[2].to(device, non_blocking=True),
+            min_p=host[3].float().to(device, non_blocking=True),
+            max_top_k=max(p.top_k for p in params),
+            any_top_p=any(p.top_p < 1.0 for p in params),
+            any_min_p=any(p.min_p > 0.0 for p in params),
         )
 
 
@@ -58,37 +65,95 @@ def target_probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> to
 def filtered_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
     """Row b's distribution under row b's parameters: logits [B, N, V] -> float32 probabilities [B, N, V].
 
-    Order (as HF generate): temperature, top-k, top-p, min-p, then renormalise. Each filter works on the
-    logits left by the previous one, exactly as HF's Temperature/TopK/TopP/MinP logits warpers do, so
+    Order (as HF generate): temperature, top-k, top-p, min-p, then renormalise. Each filter works on what
+    the previous one left, exactly as HF's Temperature/TopK/TopP/MinP logits warpers do, so
     ``do_sample=True`` in transformers and this target agree. Top-k keeps every token tied with the k-th
     largest logit; top-p drops the least likely tokens whose total mass is <= 1 - top_p (ties broken by
     vocab index, lower index dropped first) and always keeps the most likely one; min-p drops tokens with
     prob < min_p * max prob. A filter that is off for a row leaves that row alone, and every op works row by
     row, so a request's distribution is the same alone or in any batch.
+
+    Nothing sorts the vocabulary: top-k is a partial top-k (``top_k_rows``), top-p finds the nucleus'
+    boundary with two mass histograms (``nucleus_mask``), min-p is one max; the result renormalises the
+    kept probabilities (HF's final softmax, up to rounding).
     """
     scores = logits.float() / sampling.temperature[:, None, None]  # [B, N, V]
-    vocab = scores.shape[-1]
-    k = sampling.top_k.clamp(max=vocab)  # [B]
-    if bool((k > 0).any()):
-        top = torch.topk(scores, int(k.max()), dim=-1).values  # [B, N, kmax]
-        kth = top.gather(-1, (k - 1).clamp(min=0)[:, None, None].expand(-1, top.shape[1], 1))  # [B, N, 1]
+    b, n, vocab = scores.shape
+    if sampling.max_top_k > 0:
+        k = sampling.top_k.clamp(max=vocab)  # [B]
+        kmax = min(sampling.max_top_k, vocab)
+        top = top_k_rows(scores.view(b * n, vocab), kmax)[0].view(b, n, kmax)  # [B, N, kmax] descending
+        kth = top.gather(-1, (k - 1).clamp(min=0)[:, None, None].expand(-1, n, 1))  # [B, N, 1]
         scores = scores.masked_fill((scores < kth) & (k > 0)[:, None, None], float("-inf"))
-    on = sampling.top_p < 1.0  # [B]
-    if bool(on.any()):
-        ascending, order = torch.sort(scores, dim=-1, stable=True)  # [B, N, V]
-        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)  # [B, N, V] in sorted order
-        keep_mass = (1.0 - sampling.top_p).float()  # [B]
-        drop = (cumulative <= keep_mass[:, None, None]) & on[:, None, None]
-        drop[..., -1] = False
-        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    if bool((sampling.min_p > 0).any()):
-        probs = scores.softmax(dim=-1)  # [B, N, V]
+    probs = scores.softmax(dim=-1)  # [B, N, V]
+    if not (sampling.any_top_p or sampling.any_min_p):
+        return probs
+    if sampling.any_top_p:  # rows with top_p = 1 keep every token with mass (nothing is <= 0 but zeros)
+        top_p = sampling.top_p[:, None].expand(b, n).reshape(-1)  # [B * N]
+        keep = nucleus_mask(probs.view(b * n, vocab), top_p).view(b, n, vocab)
+        probs = torch.where(keep, probs, 0.0)  # the min-p floor is relative: no renormalising needed
+    if sampling.any_min_p:
         floor = sampling.min_p[:, None, None] * probs.amax(dim=-1, keepdim=True)  # [B, N, 1]
-        scores = scores.masked_fill(probs < floor, float("-inf"))
-    return scores.softmax(dim=-1)
+        keep = probs >= floor if not sampling.any_top_p else keep & (probs >= floor)
+    return scores.masked_fill(~keep, float("-inf")).softmax(dim=-1)  # HF's final softmax
 
 
-def _inverse_cdf(weights: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
+_HI_BINS = 1 << 14  # probabilities are <= 1.0 = 0x3F800000, so their top 16 bits are below 0x4000
+_LO_BINS = 1 << 16
+
+
+def nucleus_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """HF's top-p rule without sorting: keep [R, V] bool for probs [R, V] (float32, rows summing to ~1) and
+    top_p [R] (float64).
+
+    HF sorts each row ascending (ties by index), takes the running sum and drops the tokens whose running
+    sum is <= 1 - top_p, keeping at least the largest. The dropped tokens are those below one boundary
+    value (and, among the tokens equal to it, the lowest indices). The float32 bit patterns of
+    non-negative numbers sort as the numbers do, so two mass histograms find that value exactly: one over
+    the top 16 bits, one over the low 16 bits of the bin the running sum crosses in. Masses add in
+    float64 and are compared rounded to float32, as HF's float32 running sum is. Cost: a few passes over
+    [R, V], whatever the distribution's shape (a sort of 152k entries per row is about 30 times more).
+    """
+    rows, vocab = probs.shape
+    device = probs.device
+    threshold = (1.0 - top_p).float()  # [R] the keep mass HF compares with, in float32
+    bits = probs.view(torch.int32)  # [R, V]
+    mass = probs.double().view(-1)  # [R * V]
+    row = torch.arange(rows, device=device, dtype=torch.int32)[:, None]  # [R, 1]
+    hist = torch.zeros(rows * _HI_BINS, dtype=torch.float64, device=device)
+    hist.index_add_(0, (torch.bitwise_right_shift(bits, 16) + row * _HI_BINS).view(-1), mass)
+    cum = hist.view(rows, _HI_BINS).cumsum(dim=1)  # [R, bins] running mass up to each bin's end
+    bin_ = (cum.float() <= threshold[:, None]).sum(dim=1)  # [R] first bin not dropped as a whole
+    crossed = bin_ < _HI_BINS  # False: even the whole row is <= 1 - top_p (keep only the largest)
+    bin_ = bin_.clamp(max=_HI_BINS - 1)
+    below = torch.where(bin_ > 0, cum.gather(1, (bin_ - 1).clamp(min=0)[:, None])[:, 0], 0.0)  # [R]
+    # Low 16 bits within that bin; entries below it go to slot 0, above it to the last slot.
+    low = (bits - (bin_.int() << 16)[:, None]).clamp_(-1, _LO_BINS).add_(1 + row * (_LO_BINS + 2))
+    hist = torch.zeros(rows * (_LO_BINS + 2), dtype=torch.float64, device=device)
+    hist.index_add_(0, low.view(-1), mass)
+    fine = hist.view(rows, _LO_BINS + 2)[:, 1:-1]  # [R, 65536] mass of each exact value in the bin
+    fine_cum = below[:, None] + fine.cumsum(dim=1)  # [R, 65536]
+    value = (fine_cum.float() <= threshold[:, None]).sum(dim=1).clamp(max=_LO_BINS - 1)  # [R]
+    boundary = (bin_.int() << 16) + value.int()  # [R] bit pattern of the boundary value
+    boundary = torch.where(crossed, boundary, bits.amax(dim=1))
+    below = torch.where(value > 0, fine_cum.gather(1, (value - 1).clamp(min=0)[:, None])[:, 0], below)
+    # Among the tokens equal to the boundary, HF drops the lowest indices while the running sum stays
+    # <= 1 - top_p: `dropped` of them (always fewer than all: the largest is kept).
+    equal = bits == boundary[:, None]  # [R, V]
+    rank = equal.cumsum(dim=1)  # [R, V] 1-based rank of each tied token by index
+    count = rank[:, -1]  # [R]
+    tau = boundary.view(torch.float32).double()
+    steps = ((threshold.double() - below) / tau).floor().clamp(min=0)
+    steps = torch.minimum(steps, (count - 1).double())
+    # One step either way puts the float32-rounded running sum on the right side of the threshold.
+    up = ((below + (steps + 1) * tau).float() <= threshold) & (steps + 1 <= count - 1)
+    steps = steps + up.double()
+    down = ((below + steps * tau).float() > threshold) & (steps > 0)
+    dropped = torch.where(crossed, steps - down.double(), (count - 1).double()).long()  # [R]
+    return (bits > boundary[:, None]) | (equal & (rank > dropped[:, None]))
+
+
+def inverse_cdf(weights: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
     """First index whose running sum of positive weights exceeds coin * total; -1 if none is positive.
 
     When float rounding leaves the running sum at or below coin * total, the last positive index is
@@ -107,7 +172,7 @@ def _inverse_cdf(weights: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
 def sample_rows(probs: torch.Tensor, coins: torch.Tensor) -> list[int]:
     """Plain autoregressive sampling of each row of probs [B, V] with its coin [B] by inverse CDF, with the
     bonus draw's exact rule."""
-    tokens = _inverse_cdf(probs.float(), coins.float().to(probs.device)).tolist()  # [B]
+    tokens = inverse_cdf(probs.float(), coins.float().to(probs.device)).tolist()  # [B]
     if min(tokens) < 0:
         raise ValueError("probs has no positive mass")
     return tokens
@@ -132,6 +197,7 @@ def tree_speculative_sampling_target_only(
     draft_probs: torch.Tensor,
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
+    deterministic: bool = True,
 ) -> None:
     """Tree rejection sampling with sgl_kernel's contract; writes predicts, accept_index, accept_token_num.
 
@@ -146,16 +212,21 @@ def tree_speculative_sampling_target_only(
     with target prob p (under x's row) is accepted iff p > 0 and (coin < running_sum / threshold_acc or
     p >= threshold_single), as in SGLang's current kernel. The test is strict so that, with coins uniform
     on [0, 1), each child is accepted with exactly its probability (``<=`` would also take a child whose
-    running sum equals the coin, i.e. the previous sibling's share of [0, 1)). The bonus token after the
-    last accepted node is drawn with the final coin from max(target - draft_probs, 0) of that node, or
-    from its plain target row when the walk used all S - 1 steps; if rounding leaves that empty, it is the
-    node's last rejected child with target mass (V - 1 when there is none), as in the kernel.
+    running sum equals the coin, i.e. the previous sibling's share of [0, 1)). The running sum is float32,
+    each partial sum rounded from the exact one. The bonus token after the last accepted node is drawn with
+    the final coin from max(target - draft_probs, 0) of that node, or from its plain target row when the
+    walk used all S - 1 steps; if rounding leaves that empty, it is the node's last rejected child with
+    target mass (V - 1 when there is none), as in the kernel.
 
     Thresholds take SGLang's whole domain [0, 1] (``threshold_acc`` is floored at 1e-9 like the kernel's
     launcher does, so 0 accepts any child with target mass). The default (1, 1) is lossless; anything
-    lower accepts more often and is a deliberately lossy speed option.
+    lower accepts more often and is a deliberately lossy speed option. ``deterministic`` is accepted for
+    sgl_kernel's signature; this implementation is always deterministic.
+
+    Vectorised over rows, one step per depth, no host sync: the linked lists become a [bs, N, C] children
+    table first (C = N - 1 at most, one gather per sibling rank).
     """
-    threshold_single, threshold_acc = check_accept_thresholds(threshold_single, threshold_acc)
+    del deterministic  # every op here is deterministic
     bs, n = candidates.shape
     steps = accept_index.shape[1]
     vocab = target_probs.shape[-1]
@@ -166,140 +237,142 @@ def tree_speculative_sampling_target_only(
     if any(t.dtype != torch.int32 for t in (predicts, accept_index, accept_token_num)):
         raise ValueError("predicts, accept_index and accept_token_num must be int32")
     device = target_probs.device
-
-    # The walk is sequential and tiny: run it on the host with one transfer per index array.
-    cand = candidates.tolist()
-    slot = retrive_index.tolist()
-    first_child = retrive_next_token.tolist()
-    next_sibling = retrive_next_sibling.tolist()
-    # Each node's target prob under its parent's row, gathered in one op: [bs, N].
-    parent = [[0] * n for _ in range(bs)]
-    for b in range(bs):
-        for x in range(n):
-            c = first_child[b][x]
-            while c != -1:
-                parent[b][c] = x
-                c = next_sibling[b][c]
-    row_ids = torch.arange(bs, device=device)  # [bs]
-    parent_t = torch.tensor(parent, dtype=torch.int64, device=device)  # [bs, N]
-    drafted = candidates.clone()  # [bs, N]
-    drafted[:, 0] = 0  # the root's own token is never tried: gather anything in range
-    cand_probs = target_probs[row_ids[:, None], parent_t, drafted].cpu().numpy()  # [bs, N] float32
-    coins = uniform_samples.float().cpu().numpy()  # [bs, N] float32
-    single = np.float32(threshold_single)
-    acc_scale = np.float32(max(threshold_acc, 1e-9))
-
-    paths: list[list[int]] = []
-    rejected: list[tuple[int, int, int]] = []  # (row, node, token) whose mass leaves the residual
-    last_rejected = [-1] * bs
-    for b in range(bs):
-        path, cur = [0], 0
-        for _ in range(1, steps):
-            child, running = first_child[b][cur], np.float32(0.0)
-            while child != -1:
-                p = cand_probs[b, child]
-                running = running + p
-                if p > 0 and (coins[b, cur] < running / acc_scale or p >= single):
-                    break
-                rejected.append((b, cur, cand[b][child]))
-                if p > 0:
-                    last_rejected[b] = cand[b][child]
-                child = next_sibling[b][child]
-            if child == -1:
-                break
-            last_rejected[b] = -1  # the fallback is a rejected child of the node the bonus is drawn at
-            path.append(child)
-            cur = child
-        paths.append(path)
-
-    if rejected:
-        rb, rn, rt = torch.tensor(rejected, dtype=torch.int64, device=device).unbind(1)
-        draft_probs[rb, rn, rt] = target_probs[rb, rn, rt]
-
-    # Bonus draws, vectorised over rows: [bs, V].
-    ends = torch.tensor([path[-1] for path in paths], dtype=torch.int64, device=device)  # [bs]
-    subtract = torch.tensor([len(path) < steps for path in paths], device=device)  # [bs]
-    q = target_probs[row_ids, ends]  # [bs, V]
-    residual = torch.where(subtract[:, None], (q - draft_probs[row_ids, ends]).clamp_min(0.0), q)
-    bonus = _inverse_cdf(residual, uniform_samples_for_final_sampling.float().to(device)).tolist()  # [bs]
-
-    # Node path[j] predicts the token of path[j + 1]; the last accepted node predicts the bonus.
-    slots: list[int] = []
-    tokens: list[int] = []
-    acc_rows: list[int] = []
-    acc_cols: list[int] = []
-    for b, path in enumerate(paths):
-        if bonus[b] < 0:  # no residual mass left: every token was rejected, up to rounding
-            bonus[b] = last_rejected[b] if last_rejected[b] >= 0 else vocab - 1
-        slots += [slot[b][x] for x in path]
-        tokens += [cand[b][x] for x in path[1:]] + [bonus[b]]
-        acc_rows += [b] * len(path)
-        acc_cols += range(len(path))
-    slots_t = torch.tensor(slots, dtype=torch.int64, device=predicts.device)
-    predicts[slots_t] = torch.tensor(tokens, dtype=torch.int32, device=predicts.device)
-    accept_index[acc_rows, acc_cols] = slots_t.to(device=accept_index.device, dtype=torch.int32)
-    accept_token_num.copy_(torch.tensor([len(path) - 1 for path in paths], dtype=torch.int32))
+    # Children in sibling order: rank 0 is the first child, rank r + 1 the next sibling of rank r.
+    ranks = [retrive_next_token.long()]
+    for _ in range(n - 2):
+        prev = ranks[-1]
+        ranks.append(torch.where(prev >= 0, retrive_next_sibling.long().gather(1, prev.clamp(min=0)), -1))
+    children = torch.stack(ranks, dim=2) if n > 1 else torch.full((bs, n, 1), -1, device=device)
+    walk = _walk_tree(
+        children,
+        candidates.long(),
+        target_probs,
+        uniform_samples.float(),
+        uniform_samples_for_final_sampling.float().to(device),
+        steps,
+        threshold_single,
+        threshold_acc,
+        draft_probs,
+    )
+    # Node path[t] predicts the token of path[t + 1]; the last accepted node predicts the bonus.
+    t = torch.arange(steps, device=device)[None]  # [1, S]
+    on_path = t < walk.lengths[:, None]  # [bs, S]
+    slots = retrive_index.long().gather(1, walk.path)  # [bs, S]
+    # Padding entries rewrite the root's slot with the root's own value: every write is deterministic.
+    values = torch.where(on_path, walk.tokens, walk.tokens[:, :1]).to(predicts.dtype)
+    predicts[torch.where(on_path, slots, slots[:, :1]).view(-1).to(predicts.device)] = values.view(-1)
+    accept_index.copy_(torch.where(on_path, slots.to(accept_index.dtype), accept_index))
+    accept_token_num.copy_(walk.lengths - 1)
 
 
-def sample_trees(
-    trees: list[DraftTree],
-    retrieves: list[TreeRetrieve | None],
-    target_probs: torch.Tensor,
-    coins: list[torch.Tensor],
+def sample_tree_batch(
+    trees: TreeBatch,
+    probs: torch.Tensor,
+    coins: torch.Tensor,
     final_coins: torch.Tensor,
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
-) -> list[tuple[list[int], list[int]]]:
-    """Verify a batch of trees by rejection sampling, one kernel call for all rows.
+) -> Accepted:
+    """Tree rejection sampling of every row of ``trees`` at once (SGLang's contract, as
+    ``tree_speculative_sampling_target_only``), on the device with no host sync.
 
-    Row b: ``trees[b]`` of N_b nodes, its target distributions ``target_probs[b, :N_b]`` (target_probs is
-    [B, N, V] with N >= every N_b; rows past N_b are padding and never read), its per-node coins
-    ``coins[b]`` [N_b] and its bonus coin ``final_coins[b]``. Returns per row (accepted nodes from root 0,
-    emitted tokens): the accepted draft tokens then the bonus token, so ``len(tokens) == len(nodes)`` and
-    node ``nodes[i + 1]`` holds ``tokens[i]`` -- the same shape as the greedy walk.
+    ``probs`` [B, N, V] are the target distributions at the nodes, ``coins`` [B, N] each node's coin and
+    ``final_coins`` [B] each row's bonus coin. Siblings are tried in node order: in pop order a node's
+    children come most probable first, ties by index, which is ``compile_ddtree_retrieve``'s order.
     """
-    device = target_probs.device
-    bs, n, _ = target_probs.shape
-    final_coins = final_coins.float().to(device)
-    if all(tree.num_nodes == 1 for tree in trees):  # plain decoding: the kernel would only draw bonus tokens
-        return [([0], [token]) for token in sample_rows(target_probs[:, 0], final_coins)]
-    steps = max(int(tree.depths.max()) for tree in trees) + 1
-    candidates = torch.zeros(bs, n, dtype=torch.int64)
-    next_token = torch.full((bs, n), -1, dtype=torch.int64)  # padding nodes are nobody's children
-    next_sibling = torch.full((bs, n), -1, dtype=torch.int64)
-    uniform = torch.zeros(bs, n, dtype=torch.float32)
-    for b, (tree, retrieve) in enumerate(zip(trees, retrieves, strict=True)):
-        m = tree.num_nodes
-        candidates[b, :m] = tree.tokens
-        uniform[b, :m] = coins[b].float().cpu()
-        if retrieve is not None:  # None: a root-only tree, nothing to link
-            next_token[b, :m] = retrieve.next_token
-            next_sibling[b, :m] = retrieve.next_sibling
-    predicts = torch.zeros(bs * n, dtype=torch.int32, device=device)
-    accept_index = torch.full((bs, steps), -1, dtype=torch.int32, device=device)
-    accept_token_num = torch.zeros(bs, dtype=torch.int32, device=device)
-    probs = target_probs.float()  # [B, N, V]
-    tree_speculative_sampling_target_only(
-        predicts,
-        accept_index,
-        accept_token_num,
-        candidates=candidates.to(device),
-        retrive_index=torch.arange(bs * n, device=device).view(bs, n),
-        retrive_next_token=next_token.to(device),
-        retrive_next_sibling=next_sibling.to(device),
-        uniform_samples=uniform.to(device),
-        uniform_samples_for_final_sampling=final_coins,
-        target_probs=probs,
-        draft_probs=torch.zeros_like(probs),
-        threshold_single=threshold_single,
-        threshold_acc=threshold_acc,
-    )
-    tokens = predicts.view(bs, n).tolist()
-    results = []
-    for b, row in enumerate(accept_index.tolist()):
-        nodes = [x - b * n for x in row if x >= 0]  # the accepted path fills a prefix; slots are b * n + node
-        results.append((nodes, [tokens[b][x] for x in nodes]))
-    return results
+    threshold_single, threshold_acc = check_accept_thresholds(threshold_single, threshold_acc)
+    b, n = trees.tokens.shape
+    device = trees.tokens.device
+    # Each node's rank among its siblings (earlier real nodes with the same parent), then the table.
+    nodes = torch.arange(n, device=device)
+    same = (trees.parents[:, :, None] == trees.parents[:, None, :]) & (nodes[None, :] < nodes[:, None])
+    rank = (same & trees.valid[:, None, :]).sum(dim=2)  # [B, N]
+    width = max(1, min(n - 1, trees.branching))
+    child = trees.valid & (nodes[None] > 0) & (rank < width)  # every real child fits: rank < branching
+    table = torch.full((b, n * width + 1), -1, dtype=torch.int64, device=device)  # last: discarded
+    where = torch.where(child, trees.parents.clamp(min=0) * width + rank, n * width)
+    table.scatter_(1, where, nodes.expand(b, n))
+    children = table[:, :-1].view(b, n, width)
+    return _walk_tree(
+        children, trees.tokens, probs.float(), coins.float(), final_coins.float(), trees.depth + 1,
+        threshold_single, threshold_acc,
+    )  # fmt: skip
+
+
+def _walk_tree(
+    children: torch.Tensor,
+    candidates: torch.Tensor,
+    probs: torch.Tensor,
+    coins: torch.Tensor,
+    final_coins: torch.Tensor,
+    steps: int,
+    threshold_single: float,
+    threshold_acc: float,
+    draft_probs: torch.Tensor | None = None,
+) -> Accepted:
+    """The rejection walk shared by both entry points: children [B, N, C] (-1 = none, sibling order),
+    candidates [B, N] tokens, probs [B, N, V], coins [B, N], final_coins [B]. ``draft_probs``, when given,
+    records the rejected children's mass (the kernel's scratch) and is subtracted at the last node; without
+    it the last node's rejected children are removed directly (the same residual: q - q = 0)."""
+    threshold_single, threshold_acc = check_accept_thresholds(threshold_single, threshold_acc)
+    b, n, vocab = probs.shape
+    device = probs.device
+    acc_scale = max(threshold_acc, 1e-9)
+    rows = torch.arange(b, device=device)
+    flat = probs.view(b, n * vocab)
+    cur = torch.zeros(b, dtype=torch.int64, device=device)
+    alive = torch.ones(b, dtype=torch.bool, device=device)
+    path = torch.zeros(b, steps, dtype=torch.int64, device=device)
+    lengths = torch.ones(b, dtype=torch.int64, device=device)
+    ranks = torch.arange(children.shape[2], device=device)
+
+    def tried_children() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """At every row's current node: its children [B, C], their tokens and their target probs."""
+        ch = children[rows, cur]  # [B, C]
+        has = ch >= 0
+        tokens = torch.where(has, candidates.gather(1, ch.clamp(min=0)), 0)  # [B, C]
+        p = torch.where(has, flat.gather(1, cur[:, None] * vocab + tokens), 0.0)  # [B, C] float32
+        return has, tokens, p
+
+    for t in range(1, steps):
+        has, tokens, p = tried_children()
+        running = p.double().cumsum(dim=1).float()  # [B, C]
+        coin = coins.gather(1, cur[:, None])  # [B, 1]
+        hit = has & (p > 0) & ((coin < running / acc_scale) | (p >= threshold_single)) & alive[:, None]
+        take = hit.any(dim=1)  # [B]
+        first = hit.int().argmax(dim=1)  # [B] the accepted child's rank
+        if draft_probs is not None:  # children before the accepted one (all, when none is) were rejected
+            rejected = has & alive[:, None] & (ranks[None] < torch.where(take, first, ranks.numel())[:, None])
+            cells = (rows[:, None] * n + cur[:, None]) * vocab + tokens  # [B, C] in draft_probs.view(-1)
+            cells = torch.where(rejected, cells, b * n * vocab)
+            scratch = torch.cat((draft_probs.view(-1), draft_probs.new_zeros(1)))
+            scratch.scatter_(0, cells.view(-1), torch.where(rejected, p, 0.0).view(-1))
+            draft_probs.view(-1).copy_(scratch[:-1])
+        nxt = children[rows, cur].gather(1, first[:, None])[:, 0]
+        cur = torch.where(take, nxt, cur)
+        path[:, t] = torch.where(take, nxt, 0)
+        lengths += take
+        alive = take
+    # The bonus: the last node's row, less its rejected children unless the walk used every step.
+    has, tokens, p = tried_children()
+    stopped = lengths < steps  # [B]
+    q = probs[rows, cur]  # [B, V]
+    if draft_probs is not None:
+        residual = torch.where(stopped[:, None], (q - draft_probs[rows, cur]).clamp_min(0.0), q)
+    else:
+        gone = torch.zeros(b, vocab + 1, dtype=torch.bool, device=device)
+        gone.scatter_(1, torch.where(has & stopped[:, None], tokens, vocab), True)
+        residual = torch.where(gone[:, :vocab], 0.0, q)
+    bonus = inverse_cdf(residual, final_coins)  # [B], -1 if no mass is left
+    # The fallback: the last rejected child with mass (the walk stopped there), else V - 1.
+    with_mass = has & (p > 0) & stopped[:, None]
+    last = with_mass.shape[1] - 1 - with_mass.flip(1).int().argmax(dim=1)
+    fallback = torch.where(with_mass.any(dim=1), tokens.gather(1, last[:, None])[:, 0], vocab - 1)
+    bonus = torch.where(bonus >= 0, bonus, fallback)
+    # Emitted: the accepted nodes' tokens, then the bonus at position length - 1.
+    emitted = candidates.gather(1, torch.cat((path[:, 1:], path[:, :1]), dim=1))  # [B, S]
+    at_end = torch.arange(steps, device=device)[None] == (lengths - 1)[:, None]
+    return Accepted(path=path, tokens=torch.where(at_end, bonus[:, None], emitted), lengths=lengths)
 
 
 def sample_tree(
@@ -309,6 +382,29 @@ def sample_tree(
     coins: torch.Tensor,
     final_coin: float | torch.Tensor,
 ) -> tuple[list[int], list[int]]:
-    """``sample_trees`` for one tree: target_probs [N, V], coins [N]; returns (nodes, tokens)."""
-    final = torch.as_tensor(final_coin, dtype=torch.float32).reshape(1)
-    return sample_trees([tree], [retrieve], target_probs[None], [coins], final)[0]
+    """One tree through the kernel contract: target_probs [N, V], coins [N]; returns (nodes, tokens) with
+    the root first and the bonus last."""
+    n = tree.num_nodes
+    if retrieve is None:
+        retrieve = TreeRetrieve(torch.full((n,), -1), torch.full((n,), -1))
+    steps = int(tree.depths.max()) + 1
+    device = target_probs.device
+    predicts = torch.zeros(n, dtype=torch.int32, device=device)
+    accept_index = torch.full((1, steps), -1, dtype=torch.int32, device=device)
+    accept_token_num = torch.zeros(1, dtype=torch.int32, device=device)
+    probs = target_probs.float()[None]
+    tree_speculative_sampling_target_only(
+        predicts,
+        accept_index,
+        accept_token_num,
+        candidates=tree.tokens[None].to(device),
+        retrive_index=torch.arange(n, device=device)[None],
+        retrive_next_token=retrieve.next_token[None].to(device),
+        retrive_next_sibling=retrieve.next_sibling[None].to(device),
+        uniform_samples=coins.float().reshape(1, n).to(device),
+        uniform_samples_for_final_sampling=torch.as_tensor(final_coin, dtype=torch.float32).reshape(1),
+        target_probs=probs,
+        draft_probs=torch.zeros_like(probs),
+    )
+    nodes = [x for x in accept_index[0].tolist() if x >= 0]
+    return nodes, predicts[nodes].tolist()

@@ -10,6 +10,7 @@ was popped earlier, so the popped set is a tree rooted at the last accepted toke
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass
 
@@ -51,40 +52,63 @@ def build_ddtree_tree(
     ``draft_logits`` is [L, V]: row d - 1 is the drafter's distribution for the token at depth d.
     ``topk`` bounds the branching per depth (default and maximum: min(budget, V), which loses nothing
     since a node's (budget + 1)-th best child can never be among the ``budget`` best prefixes).
-    Outputs are on the CPU.
+    Outputs are on the CPU. This is the scalar heap, one tree at a time; the engine builds every row's tree
+    at once on the device with ``build_tree_batch``, which the tests hold to this one.
     """
     if draft_logits.dim() != 2 or draft_logits.shape[1] < 1:
         raise DDTreeError(f"draft_logits must be [L, V] with V >= 1, got shape {tuple(draft_logits.shape)}")
+    check_tree_options(budget, topk)
+    k = min(budget if topk is None else topk, budget, draft_logits.shape[1])
+    vals, ids = draft_candidates(draft_logits, k)  # [L, k] each
+    # One device->host transfer for both: the float32 values travel as their int32 bit patterns.
+    host = torch.stack((vals.view(torch.int32), ids.int())).cpu()  # [2, L, k]
+    return best_first_tree(host[0].view(torch.float32).tolist(), host[1].tolist(), budget, root_token)
+
+
+def check_tree_options(budget: int, topk: int | None) -> None:
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise DDTreeError(f"tree budget must be an integer >= 1, got {budget!r}")
     if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
         raise DDTreeError(f"tree topk must be an integer >= 1 or None, got {topk!r}")
-    depth_max, vocab = draft_logits.shape
-    k = min(budget if topk is None else topk, budget, vocab)
 
-    ranked = _RankedCandidates(torch.log_softmax(draft_logits.float(), dim=-1), k)
-    vals, ids = ranked.vals, ranked.ids  # [L][<= K] each, grown on demand
 
+def draft_candidates(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most probable tokens of every drafted position: log-probs [..., L, k] float32, sorted
+    descending, and their ids [..., L, k] int64 (draft_logits [..., L, V]). Both tree builders rank from
+    these, so they see the same candidates, ties included."""
+    vocab = draft_logits.shape[-1]
+    logp = torch.log_softmax(draft_logits.float(), dim=-1).reshape(-1, vocab)  # [rows, V]
+    vals, ids = top_k_rows(logp, k)  # [rows, k]
+    shape = (*draft_logits.shape[:-1], k)
+    return vals.reshape(shape), ids.reshape(shape)
+
+
+def best_first_tree(
+    vals: list[list[float]], ids: list[list[int]], budget: int, root_token: int = 0
+) -> DraftTree:
+    """The heap: ``budget`` pops over per-depth candidates ``vals`` / ``ids`` ([L][K], sorted descending).
+
+    Scores accumulate in float64 (Python floats); ties pop by (depth, rank, parent's pop index), the heap
+    entries' order, which ``build_tree_batch`` reproduces.
+    """
+    depth_max = len(vals)
+    k = len(vals[0]) if vals else 0
     tokens, depths, parents, logw = [root_token], [0], [-1], [0.0]
-    best = [row[0] for row in vals]  # [L] log-prob of each depth's top token: every first child's step
     pop, push = heapq.heappop, heapq.heappush
     # Entries (-score, depth, rank, parent node): the prefix is parent's prefix + the rank-th token at depth.
-    heap: list[tuple[float, int, int, int]] = [(-best[0], 1, 0, 0)] if depth_max > 0 else []
+    heap: list[tuple[float, int, int, int]] = [(-vals[0][0], 1, 0, 0)] if depth_max > 0 and k else []
     for node in range(1, budget + 1):
         if not heap:
             break
         neg_score, d, r, p = pop(heap)
-        row = vals[d - 1]
         tokens.append(ids[d - 1][r])
         depths.append(d)
         parents.append(p)
         logw.append(-neg_score)
         if r + 1 < k:  # next sibling: same parent, next-ranked token
-            if r + 1 == len(row):
-                ranked.grow(d - 1)
-            push(heap, (-(logw[p] + row[r + 1]), d, r + 1, p))
+            push(heap, (-(logw[p] + vals[d - 1][r + 1]), d, r + 1, p))
         if d < depth_max:  # first child: best token at the next depth
-            push(heap, (neg_score - best[d], d + 1, 0, node))
+            push(heap, (-(-neg_score + vals[d][0]), d + 1, 0, node))
 
     # One host array for the three integer outputs: each torch.tensor(list) call costs as much as the heap
     # spends on tens of nodes.
@@ -115,38 +139,163 @@ def top_k_rows(x: torch.Tensor, k: int, groups: int = 16) -> tuple[torch.Tensor,
     return values, indices
 
 
-class _RankedCandidates:
-    """Per-depth candidates sorted by draft log-prob, fetched from the device lazily.
+@dataclass
+class TreeSpec:
+    """What each row of a batch drafts, on the host ([B] int64 each): drafted nodes (0: the root alone),
+    branching per depth, and the deepest depth its tree may reach."""
 
-    A best-first tree rarely looks past the first few ranks of a depth, so one top-``FIRST_RANKS`` call
-    serves almost every round; a depth that needs more fetches its whole top-k at once (exact either way).
+    budgets: np.ndarray
+    topks: np.ndarray
+    depths: np.ndarray
+
+    def sizes(self, width: int, k: int) -> np.ndarray:
+        """Nodes of each row's tree, root included ([B]); known on the host without looking at the
+        candidates: the beam keeps ``min(width, valid pairs)`` prefixes a depth whatever their scores."""
+        pp, pr = _beam_pairs(width, k)
+        count = np.ones(len(self.budgets), dtype=np.int64)  # depth 0: the root
+        total = np.zeros_like(count)
+        for d in range(int(self.depths.max(initial=0))):
+            live = (pp[None] < count[:, None]) & (pr[None] < self.topks[:, None])  # [B, P]
+            count = np.where(d < self.depths, np.minimum(live.sum(axis=1), width), 0)
+            total += count
+        return 1 + np.minimum(self.budgets, total)
+
+
+@dataclass
+class TreeBatch:
+    """Every row's tree as [B, N] tensors on the device, in pop order (parents before children); row b's
+    nodes past ``sizes[b]`` are padding (token 0, depth 0, parent 0)."""
+
+    tokens: torch.Tensor  # [B, N] int64; column 0 is the root (the row's last committed token)
+    depths: torch.Tensor  # [B, N] int64
+    parents: torch.Tensor  # [B, N] int64; the root's is -1
+    logw: torch.Tensor  # [B, N] float32 cumulative draft log-prob; root 0
+    sizes: np.ndarray  # [B] int64 nodes per row, root included (host)
+    depth: int  # the deepest node of the batch (host)
+    branching: int = 1  # the most children a node may have (host)
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """[B, N] bool: real nodes."""
+        n = self.tokens.shape[1]
+        sizes = torch.from_numpy(self.sizes).to(self.tokens.device)
+        return torch.arange(n, device=self.tokens.device)[None] < sizes[:, None]
+
+    def row(self, b: int) -> DraftTree:
+        """Row b as a ``DraftTree`` on the host (tests, and the auto budget's choice)."""
+        m = int(self.sizes[b])
+        fields = (self.tokens, self.depths, self.parents, self.logw)
+        return DraftTree(*(x[b, :m].cpu() for x in fields))
+
+    @classmethod
+    def root_only(cls, roots: torch.Tensor) -> TreeBatch:
+        """Plain decoding for every row: nothing drafted, only the bonus token (roots [B])."""
+        zeros = torch.zeros(roots.shape[0], 1, dtype=torch.int64, device=roots.device)
+        sizes = np.ones(roots.shape[0], dtype=np.int64)
+        return cls(roots[:, None].to(torch.int64), zeros, zeros - 1, zeros.float(), sizes, 0)
+
+    def select(self, rows: list[int]) -> TreeBatch:
+        """The trees of these rows (host indices), same width and depth bound."""
+        at = torch.tensor(rows, device=self.tokens.device)
+        fields = (self.tokens, self.depths, self.parents, self.logw)
+        return TreeBatch(*(x[at] for x in fields), self.sizes[rows], self.depth, self.branching)
+
+    def cut(self, sizes: np.ndarray) -> TreeBatch:
+        """The same trees cut to ``sizes`` nodes (prefixes of pop order are trees)."""
+        n = int(sizes.max(initial=1))
+        return TreeBatch(
+            self.tokens[:, :n],
+            self.depths[:, :n],
+            self.parents[:, :n],
+            self.logw[:, :n],
+            sizes,
+            min(self.depth, n - 1),
+            self.branching,
+        )
+
+
+def build_tree_batch(
+    vals: torch.Tensor, ids: torch.Tensor, roots: torch.Tensor, spec: TreeSpec
+) -> TreeBatch:
+    """Every row's best-first tree at once, as tensor ops on the device (no host sync).
+
+    ``vals`` / ``ids`` [B, L, K] are each row's candidates (``draft_candidates``), ``roots`` [B] the roots'
+    tokens. Depth by depth, keep the ``W`` = max budget best prefixes among the previous depth's survivors
+    times their K children; the best ``budget_b`` over the union of depths are then row b's tree: each
+    depth's best ``budget_b`` are among that depth's W survivors, and the set is prefix-closed because a
+    child never scores above its parent. Only candidate pairs (parent slot p, rank r) with
+    (p + 1)(r + 1) <= W can make a depth's top W (that many pairs dominate them), so a depth scores
+    O(W log W) pairs, not W * K. Scores add in float64, as the heap's Python floats do, and ties fall as the
+    heap breaks them: by depth, then rank, then the parent's pop order (a stable sort over pairs laid out
+    rank-major, slots in pop order; invalid pairs sort last as NaN).
     """
+    b, _, k = vals.shape
+    device = vals.device
+    width = int(spec.budgets.max(initial=0))
+    sizes = spec.sizes(width, k) if width else np.ones(b, dtype=np.int64)
+    depth_max = int(spec.depths[spec.budgets > 0].max(initial=0)) if width else 0
+    n = int(sizes.max())
+    if n == 1:
+        return TreeBatch.root_only(roots)
+    pp, pr = (torch.from_numpy(x).to(device) for x in _beam_pairs(width, k))  # [P] each
+    topks = torch.from_numpy(spec.topks).to(device)[:, None]  # [B, 1]
+    depths = torch.from_numpy(spec.depths).to(device)[:, None]  # [B, 1]
+    vals64 = vals.double()
+    score = torch.zeros(b, 1, dtype=torch.float64, device=device)  # the root's
+    valid = torch.ones(b, 1, dtype=torch.bool, device=device)
+    levels = []  # per depth: score, valid, parent slot, token, rank [B, W_d]
+    nan = torch.tensor(float("nan"), dtype=torch.float64, device=device)
+    for d in range(depth_max):
+        keep = pp < score.shape[1]  # pairs whose parent slot exists at this depth
+        p_d, r_d = pp[keep], pr[keep]  # [P_d]
+        cand = score[:, p_d] + vals64[:, d, r_d]  # [B, P_d]
+        ok = valid[:, p_d] & (r_d[None] < topks) & (d < depths)  # [B, P_d]
+        order = torch.where(ok, -cand, nan).sort(dim=1, stable=True).indices[:, :width]  # [B, W_d]
+        score, valid = cand.gather(1, order), ok.gather(1, order)
+        rank = r_d[order]
+        levels.append((score, valid, p_d[order], ids[:, d].gather(1, rank)))
+    scores = torch.cat([lv[0] for lv in levels], dim=1)  # [B, T] depth-major, each depth in pop order
+    alive = torch.cat([lv[1] for lv in levels], dim=1)
+    order = torch.where(alive, -scores, nan).sort(dim=1, stable=True).indices[:, : n - 1]  # [B, n - 1]
+    # Global node index of every level entry (1 + its place in pop order; 0 if not in the tree).
+    node_of = torch.zeros_like(scores, dtype=torch.int64)
+    node_of.scatter_(1, order, torch.arange(1, n, device=device).expand(b, -1))
+    parents, tokens, depth_of = [], [], []
+    start = 0  # where the previous depth's entries begin in the concatenation
+    for d, (_, _, slot, token) in enumerate(levels):
+        if d == 0:
+            parents.append(torch.zeros_like(slot))  # the root
+        else:
+            width_prev = levels[d - 1][0].shape[1]
+            parents.append(node_of[:, start : start + width_prev].gather(1, slot))
+            start += width_prev
+        tokens.append(token)
+        depth_of.append(torch.full_like(slot, d + 1))
+    pick = lambda parts: torch.cat(parts, dim=1).gather(1, order)  # noqa: E731
+    padding = torch.arange(1, n, device=device)[None] >= torch.from_numpy(sizes).to(device)[:, None]
+    node_tokens = pick(tokens).masked_fill(padding, 0)
+    node_depths = pick(depth_of).masked_fill(padding, 0)
+    node_parents = pick(parents).masked_fill(padding, 0)
+    node_logw = scores.gather(1, order).float().masked_fill(padding, 0.0)
+    root = torch.zeros(b, 1, dtype=torch.int64, device=device)
+    return TreeBatch(
+        tokens=torch.cat((roots[:, None].to(torch.int64), node_tokens), dim=1),
+        depths=torch.cat((root, node_depths), dim=1),
+        parents=torch.cat((root - 1, node_parents), dim=1),
+        logw=torch.cat((root.float(), node_logw), dim=1),
+        sizes=sizes,
+        depth=int(np.minimum(spec.depths, sizes - 1).max()),  # a tree of m nodes is at most m - 1 deep
+        branching=k,
+    )
 
-    FIRST_RANKS = 32
 
-    def __init__(self, logp: torch.Tensor, k: int) -> None:
-        self.logp = logp  # [L, V] log-softmax of the draft logits
-        self.k = k
-        values, indices = top_k_rows(logp, min(k, self.FIRST_RANKS))  # sorted descending, [L, K0]
-        # One device->host transfer for both: the float32 values travel as their int32 bit patterns.
-        host = torch.stack((values.view(torch.int32), indices.int())).cpu()  # [2, L, K0]
-        self.vals: list[list[float]] = host[0].view(torch.float32).tolist()
-        self.ids: list[list[int]] = host[1].tolist()
-
-    def grow(self, depth: int) -> None:
-        """Extend row ``depth`` of ``vals`` / ``ids`` in place to all ``k`` ranks (a depth grows once)."""
-        values, indices = top_k_rows(self.logp[depth : depth + 1], self.k)  # [1, k] each
-        values, indices = values[0].tolist(), indices[0].tolist()
-        have, known = len(self.ids[depth]), self.ids[depth]
-        if indices[:have] == known:  # no ties reordered across the known ranks: append the rest
-            self.vals[depth] += values[have:]
-            known += indices[have:]
-            return
-        seen = set(known)  # tokens beyond the known ones rank no higher than all of them
-        for v, i in zip(values, indices, strict=True):
-            if i not in seen:
-                self.vals[depth].append(v)
-                known.append(i)
+@functools.cache
+def _beam_pairs(width: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (parent slot, rank) pairs that can make a depth's top ``width``: (p + 1)(r + 1) <= width, r < k,
+    ordered rank-major (the heap's tie order: rank, then the parent's pop order)."""
+    pairs = [(p, r) for r in range(min(k, width)) for p in range(width // (r + 1))]
+    pp, pr = np.array(pairs, dtype=np.int64).T
+    return pp, pr
 
 
 @dataclass

@@ -1,49 +1,67 @@
-"""Verification of a draft tree: the inputs of the ONE target forward, and the greedy walk of its result.
+"""Verification of draft trees: the inputs of the ONE target forward, and the greedy acceptance of its result.
 
-The whole tree goes through the target as a flat sequence ``[root, node 1, ..., node n]`` (one row of the
+Every row's tree goes through the target as a flat sequence ``[root, node 1, ..., node n]`` (one row of the
 batch). Each node sits at position ``start + depth`` and attends to the committed context plus its own
 ancestors and itself, so its logits are exactly those the target would give after the prefix that ends at
-that node.
+that node. Everything here is tensor ops over the whole batch (``TreeBatch``): no host sync.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
-import numpy as np
+import torch
 
-from ddtree.tree import DraftTree
-
-
-def ancestor_matrix(parents: np.ndarray, depths: np.ndarray) -> np.ndarray:
-    """[N, N] bool, entry (i, j) true iff node j is node i itself or one of its ancestors.
-
-    Built with numpy: the tree is small and lives on the host, where a numpy op costs a fraction of a
-    torch op's dispatch.
-    """
-    up = parents.clip(min=0)  # [N] the root is its own parent
-    n = up.shape[0]
-    rows = np.arange(n)
-    anc = np.eye(n, dtype=bool)
-    node = rows
-    for _ in range(int(depths.max())):  # climb one level per step, all nodes at once
-        node = up[node]
-        anc[rows, node] = True
-    return anc
+from ddtree.tree import DraftTree, TreeBatch
 
 
-def tree_verify_inputs(tree: DraftTree, start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One row of the verify batch, on the host: token ids [N], position ids [N] and the tree block of
-    the mask [N, N] (True = attend; the row's committed columns before it are all visible).
+@dataclass
+class Accepted:
+    """A round's verdicts on the device, per row: the accepted nodes root first (``path[b, :lengths[b]]``)
+    and the emitted tokens, the accepted drafts then the bonus (``tokens[b, :lengths[b]]``); node
+    ``path[b, t + 1]`` holds token ``tokens[b, t]``. Entries past a row's length are padding (0)."""
 
-    ``start`` is the root's position, which is also the number of tokens in the row's KV cache.
-    """
-    depths = tree.depths.numpy()
-    return tree.tokens.numpy(), depths + start, ancestor_matrix(tree.parents.numpy(), depths)
+    path: torch.Tensor  # [B, S] int64, S = deepest node + 1
+    tokens: torch.Tensor  # [B, S] int64
+    lengths: torch.Tensor  # [B] int64, >= 1
+
+
+def ancestor_mask(trees: TreeBatch) -> torch.Tensor:
+    """[B, N, N] bool, entry (b, i, j) true iff node j is node i itself or one of its ancestors (padding
+    nodes see none: they attend to committed columns only)."""
+    b, n = trees.tokens.shape
+    up = trees.parents.clamp(min=0)  # [B, N]; the root is its own parent
+    node = torch.arange(n, device=up.device).expand(b, n)
+    anc = torch.eye(n, dtype=torch.bool, device=up.device).expand(b, n, n).clone()
+    for _ in range(trees.depth):  # climb one level per step, all nodes at once
+        node = up.gather(1, node)
+        anc.scatter_(2, node[..., None], True)
+    return anc & trees.valid[:, :, None]
+
+
+def accept_greedy(trees: TreeBatch, argmax: torch.Tensor) -> Accepted:
+    """Greedy acceptance of every row at once: a node is accepted when its token is its parent's target
+    argmax (``argmax`` [B, N]) and its parent is accepted; siblings carry distinct tokens, so the accepted
+    nodes form one path. One step per depth, on the device."""
+    b, n = trees.tokens.shape
+    up = trees.parents.clamp(min=0)  # [B, N]
+    match = trees.valid & (trees.tokens == argmax.gather(1, up))  # [B, N]
+    match[:, 0] = True
+    accepted = match
+    for _ in range(trees.depth):
+        accepted = match & accepted.gather(1, up)
+    steps = trees.depth + 1
+    path = torch.zeros(b, steps + 1, dtype=torch.int64, device=up.device)  # column `steps`: discarded
+    nodes = torch.arange(n, device=up.device).expand(b, n)
+    path.scatter_(1, torch.where(accepted, trees.depths, steps), nodes)  # the node accepted at each depth
+    path = path[:, :steps]
+    lengths = accepted.sum(dim=1)
+    return Accepted(path=path, tokens=argmax.gather(1, path), lengths=lengths)
 
 
 def follow_verified_tree(tree: DraftTree, target_token: Callable[[int], int]) -> tuple[list[int], list[int]]:
-    """Greedy acceptance: walk the target's argmax down the tree from the root.
+    """The scalar greedy walk of one tree (the oracle ``accept_greedy`` is tested against).
 
     ``target_token(i)`` is the target's argmax after the prefix ending at node i; the walk asks only for
     the nodes it accepts. Returns the accepted node indices (root first) and the emitted tokens
@@ -57,15 +75,3 @@ def follow_verified_tree(tree: DraftTree, target_token: Callable[[int], int]) ->
             nodes.append(i)
             tokens.append(target_token(i))
     return nodes, tokens
-
-
-def first_child_chain(tree: DraftTree) -> list[int]:
-    """Nodes of the path that takes every node's most probable child: the drafter's top-1 continuation.
-
-    In pop order a node's first child to appear is its most probable one.
-    """
-    chain = [0]
-    for i, parent in enumerate(tree.parents.tolist()):
-        if parent == chain[-1]:
-            chain.append(i)
-    return chain

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from ddtree.commit import pack_accepted
 from ddtree.engine import Engine
 from ddtree.params import SamplingParams
-from ddtree.tree import build_ddtree_tree
-from ddtree.verify import first_child_chain, tree_verify_inputs
+from ddtree.tree import TreeSpec, build_tree_batch, draft_candidates
+from ddtree.verify import ancestor_mask
 
 PROMPTS = [[1, 5, 9, 22, 3], [7], [30, 2, 2, 14, 8, 19, 25, 11, 4, 0, 6, 13]]
 NEW = 40
@@ -142,20 +143,29 @@ def test_kv_compaction_leaves_the_cache_of_a_fresh_forward(pair, kept_path):
         root = int(run(prompt, list(range(start)), list(range(start)), causal)[-1].argmax())
         # A random tree; keep its deepest root path so the kept slots are scattered through the tree block
         draft_logits = torch.randn(7, target.config.vocab_size, generator=generator)
-        tree = build_ddtree_tree(draft_logits, 64, root_token=root)
-        ids, positions, anc = tree_verify_inputs(tree, start)
+        k = min(64, target.config.vocab_size)
+        vals, cand = draft_candidates(draft_logits[None], k)
+        spec = TreeSpec(np.array([64]), np.array([k]), np.array([7]))
+        trees = build_tree_batch(vals, cand, torch.tensor([root]), spec)
+        tree = trees.row(0)
         n = tree.num_nodes
-        visible = torch.cat((torch.ones(n, start, dtype=torch.bool), torch.from_numpy(anc)), dim=1)
-        run(ids.tolist(), positions.tolist(), list(range(start, start + n)), visible)
+        anc = ancestor_mask(trees)[0]  # [N, N]
+        visible = torch.cat((torch.ones(n, start, dtype=torch.bool), anc), dim=1)
+        positions = (tree.depths + start).tolist()
+        run(tree.tokens.tolist(), positions, list(range(start, start + n)), visible)
         if kept_path == "deepest":
             path = [int(tree.depths.argmax())]
             while path[-1] != 0:
                 path.append(int(tree.parents[path[-1]]))
             kept = path[::-1]
-        else:
-            kept = first_child_chain(tree)
+        else:  # in pop order a node's first child to appear is its most probable one
+            kept = [0]
+            for i, parent in enumerate(tree.parents.tolist()):
+                if parent == kept[-1]:
+                    kept.append(i)
         m = len(kept)
-        pack_accepted(cache, tables, [start], [kept])
+        padded = torch.tensor([kept + [0] * (trees.depth + 1 - m)])
+        pack_accepted(cache, tables, torch.tensor([start]), padded, torch.tensor([m]))
         committed = prompt + tree.tokens[kept].tolist()
         nxt = 3
         step = run([nxt], [start + m], [start + m], torch.ones(1, start + m + 1, dtype=torch.bool))[-1]

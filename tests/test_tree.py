@@ -1,12 +1,23 @@
 from __future__ import annotations
 
 import itertools
+import random
 
+import numpy as np
 import pytest
 import torch
 
 from ddtree.errors import DDTreeError
-from ddtree.tree import DraftTree, _RankedCandidates, build_ddtree_tree, compile_ddtree_retrieve, top_k_rows
+from ddtree.tree import (
+    DraftTree,
+    TreeSpec,
+    best_first_tree,
+    build_ddtree_tree,
+    build_tree_batch,
+    compile_ddtree_retrieve,
+    draft_candidates,
+    top_k_rows,
+)
 
 CASES = [
     # (L, V, budget, topk)
@@ -73,11 +84,8 @@ def _check_structure(tree: DraftTree, root_token: int) -> None:
         assert tree.logw[i] <= tree.logw[p]
 
 
-@pytest.mark.parametrize("first_ranks", [32, 1, 2])
 @pytest.mark.parametrize("depth_max,vocab,budget,topk", CASES)
-def test_tree_is_the_budget_most_probable_prefixes(depth_max, vocab, budget, topk, first_ranks, monkeypatch):
-    """Also with the lazy candidate fetch forced to grow (first_ranks 1 or 2 of a depth fetched at first)."""
-    monkeypatch.setattr(_RankedCandidates, "FIRST_RANKS", first_ranks)
+def test_tree_is_the_budget_most_probable_prefixes(depth_max, vocab, budget, topk):
     gen = torch.Generator().manual_seed(1000 * depth_max + 10 * vocab + budget)
     logits = torch.randn(depth_max, vocab, generator=gen) * 2.0
     tree = build_ddtree_tree(logits, budget, topk=topk, root_token=7)
@@ -106,15 +114,12 @@ def test_grouped_top_k_equals_full_top_k(vocab, k, scale):
         assert torch.equal(indices[torch.arange(15) != 3], want.indices[torch.arange(15) != 3])
 
 
-@pytest.mark.parametrize("first_ranks", [1, 3])
-def test_tree_with_tied_draft_logits_grows_without_repeating_a_sibling(first_ranks, monkeypatch):
-    """Ties let a re-ranked depth list its known tokens in another order; growing must not add them twice.
-
-    With ties the chosen prefixes are not unique, so the check is on what is: the scores of the
+@pytest.mark.parametrize("seed", [1, 3])
+def test_tree_with_tied_draft_logits_has_distinct_siblings_and_the_best_scores(seed):
+    """With ties the chosen prefixes are not unique, so the check is on what is: the scores of the
     ``budget`` best prefixes, and a valid tree (distinct siblings, logw = sum of per-depth log-probs).
     """
-    monkeypatch.setattr(_RankedCandidates, "FIRST_RANKS", first_ranks)
-    gen = torch.Generator().manual_seed(first_ranks)
+    gen = torch.Generator().manual_seed(seed)
     logits = torch.randint(0, 3, (3, 12), generator=gen).float()  # 3 distinct values: many ties
     tree = build_ddtree_tree(logits, 40)
     _check_structure(tree, root_token=0)
@@ -254,3 +259,56 @@ def test_retrieve_of_root_only_tree_is_empty():
 def test_retrieve_rejects_mismatched_shapes():
     with pytest.raises(DDTreeError):
         compile_ddtree_retrieve(torch.tensor([-1, 0]), torch.tensor([0.0]))
+
+
+def _random_batch(seed: int):
+    """A batch of rows with their own budgets (0: root only), branching caps and depths, over logits that
+    are flat (every entry ties), tied (three values), peaked or plain random."""
+    rng = random.Random(seed)
+    b, depth, vocab = rng.randint(1, 6), rng.randint(1, 6), rng.choice([2, 3, 5, 8, 40, 300])
+    kind = rng.choice(["flat", "ties", "peaked", "random"])
+    gen = torch.Generator().manual_seed(seed)
+    logits = {
+        "flat": lambda: torch.zeros(b, depth, vocab),
+        "ties": lambda: torch.randint(0, 3, (b, depth, vocab), generator=gen).float(),
+        "peaked": lambda: torch.randn(b, depth, vocab, generator=gen) * 8,
+        "random": lambda: torch.randn(b, depth, vocab, generator=gen),
+    }[kind]()
+    budgets = np.array([rng.choice([0, 1, 2, 3, 7, 16, 40, 256, rng.randint(1, 256)]) for _ in range(b)])
+    topks = np.array([min(rng.choice([1, 2, 3, vocab, 1000]), max(x, 1), vocab) for x in budgets])
+    depths = np.array([rng.randint(1, depth) for _ in range(b)])
+    return logits, TreeSpec(budgets, topks, depths), torch.randint(0, vocab, (b,), generator=gen)
+
+
+def test_device_trees_equal_the_heaps_on_a_thousand_random_batches():
+    """Same nodes in the same order, same parents, depths and scores, row by row, ties included: the heap
+    consumes the same ranked candidates, so only the tree algorithm differs."""
+    for seed in range(1000):
+        logits, spec, roots = _random_batch(seed)
+        k = int(spec.topks[spec.budgets > 0].max(initial=1))
+        vals, ids = draft_candidates(logits, k)
+        batch = build_tree_batch(vals, ids, roots, spec)
+        for b in range(len(roots)):
+            if spec.budgets[b] == 0:
+                want = DraftTree.root_only(int(roots[b]))
+            else:
+                kb, depth = int(spec.topks[b]), int(spec.depths[b])
+                cands = [row[:kb] for row in vals[b, :depth].tolist()]
+                tokens = [row[:kb] for row in ids[b, :depth].tolist()]
+                want = best_first_tree(cands, tokens, int(spec.budgets[b]), int(roots[b]))
+            got = batch.row(b)
+            for field in ("tokens", "depths", "parents", "logw"):
+                assert torch.equal(getattr(got, field), getattr(want, field)), (seed, b, field)
+        assert batch.depth >= max(int(batch.row(b).depths.max()) for b in range(len(roots)))
+
+
+def test_device_tree_of_a_large_vocabulary_equals_the_heap():
+    """Budget 256 over 151,936 tokens (the grouped top-k path), the real vocabulary's shape."""
+    logits = torch.randn(2, 15, 151936, generator=torch.Generator().manual_seed(4)) * 4.0
+    spec = TreeSpec(np.array([256, 100]), np.array([256, 8]), np.array([15, 15]))
+    vals, ids = draft_candidates(logits, 256)
+    batch = build_tree_batch(vals, ids, torch.tensor([1, 2]), spec)
+    for b in range(2):
+        want = build_ddtree_tree(logits[b], int(spec.budgets[b]), topk=int(spec.topks[b]), root_token=b + 1)
+        assert torch.equal(batch.row(b).tokens, want.tokens)
+        assert torch.equal(batch.row(b).parents, want.parents)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ddtree.tree import DraftTree, build_ddtree_tree
-from ddtree.verify import first_child_chain, follow_verified_tree
+from ddtree.verify import follow_verified_tree
 from tests.conftest import tree_from_parents
 
 
@@ -59,10 +59,3 @@ def test_greedy_walk_asks_the_target_only_about_the_nodes_it_accepts():
     nodes, tokens = follow_verified_tree(tree, target_token)
     assert (nodes, tokens) == ([0, 2, 4, 6], [6, 8, 3, 2])
     assert asked == nodes
-
-
-def test_first_child_chain_takes_each_nodes_most_probable_child():
-    # Root children 1 (best) and 2; node 1's children 3 (best) and 5; node 3's child 4; node 2's child 6.
-    tree = tree_from_parents([-1, 0, 0, 1, 3, 1, 2], [0, 5, 6, 7, 8, 9, 3])
-    assert first_child_chain(tree) == [0, 1, 3, 4]
-    assert first_child_chain(tree_from_parents([-1], [4])) == [0]

@@ -12,7 +12,7 @@ from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Request
 from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.verifier import Verdict
-from ddtree.tree import DraftTree
+from ddtree.tree import TreeBatch
 
 AUTO_MAX_BACKOFF = 128  # the longest stretch of plain rounds before "auto" rows draft again
 
@@ -29,25 +29,28 @@ class AutoBudget:
         self._costs_measured = False
         self._auto_backoff = 0  # length of the last stretch of plain rounds: 1, 2, 4, ... AUTO_MAX_BACKOFF
 
-    def choose(self, rows: list[Request], trees: list[DraftTree], draft_rows: int) -> list[DraftTree]:
+    def choose(self, rows: list[Request], trees: TreeBatch, draft_rows: int) -> tuple[TreeBatch, np.ndarray]:
         """Cut every "auto" row's candidate tree to the prefix of its pop order that maximises the batch's
         expected tokens per second (ddtree.budget), and start a stretch of plain rounds for the auto rows
-        when even the best pick loses to a round without the drafter."""
+        when even the best pick loses to a round without the drafter. Returns the cut trees and the trees'
+        draft log-probs on the host [B, N] (the round's one extra device->host copy, for auto rows only)."""
         if not (self._costs_measured or self.cost.frozen):
             self._measure_costs()
-        auto = [i for i, r in enumerate(rows) if r.auto and trees[i].num_nodes > 1]
+        logw = trees.logw.cpu().numpy()  # [B, N]
+        sizes = trees.sizes.copy()
+        auto = [i for i, r in enumerate(rows) if r.auto and sizes[i] > 1]
         base = float(len(rows))  # every row commits at least its bonus token
-        for i, tree in enumerate(trees):
-            if i not in auto and tree.num_nodes > 1:
-                base += self._expected_accepts(rows[i], tree.logw[1:].exp().numpy()).sum()
-        widest_fixed = max((t.num_nodes for i, t in enumerate(trees) if i not in auto), default=1)
+        for i, m in enumerate(sizes):
+            if i not in auto and m > 1:
+                base += self._expected_accepts(rows[i], np.exp(logw[i, 1:m])).sum()
+        widest_fixed = max((m for i, m in enumerate(sizes) if i not in auto), default=1)
         b = len(rows)
 
         def seconds(total: np.ndarray, widest: np.ndarray) -> np.ndarray:
             width = np.maximum(widest + 1, widest_fixed)  # the forward pads every row to the widest tree
             return self.cost.round_seconds(b * width, draft_rows)
 
-        probs = [trees[i].logw[1:].exp().numpy() for i in auto]  # [n_i] path probabilities, pop order
+        probs = [np.exp(logw[i, 1 : sizes[i]]) for i in auto]  # [n_i] path probabilities, pop order
         gains = [self._expected_accepts(rows[i], p) for i, p in zip(auto, probs, strict=True)]
         counts = choose_counts(probs, gains, base, seconds)
         # Drafting pays when the chosen trees beat a plain round that skips the drafter altogether.
@@ -61,26 +64,30 @@ class AutoBudget:
             self.scheduler.auto_skip = self._auto_backoff
         else:
             self._auto_backoff = 0
-        out = list(trees)
         for i, k in zip(auto, counts, strict=True):
-            out[i] = trees[i].prefix(k + 1)
+            sizes[i] = k + 1
             rows[i].auto_width = k
-        return out
+        return trees.cut(sizes), logw
 
     def _expected_accepts(self, r: Request, probs: np.ndarray) -> np.ndarray:
         return self.calibration.calibrate("greedy" if r.params.greedy else "sampled", probs)
 
-    def learn(self, rows: list[Request], trees: list[DraftTree], verdicts: list[Verdict]) -> None:
-        """Record each row's drafted nodes and calibrate draft path probabilities against what the target
-        accepted (ddtree rows)."""
-        for r, tree, (nodes, _) in zip(rows, trees, verdicts, strict=True):
-            r.stats.drafted_nodes.append(tree.num_nodes - 1)
-            if r.method != "ddtree" or tree.num_nodes == 1:
+    def learn(
+        self, rows: list[Request], sizes: np.ndarray, logw: np.ndarray | None, verdicts: list[Verdict]
+    ) -> None:
+        """Record each row's drafted nodes and, in rounds whose draft log-probs came to the host for the
+        auto choice (``logw`` [B, N]), calibrate them against what the target accepted (ddtree rows)."""
+        for r, m in zip(rows, sizes, strict=True):
+            r.stats.drafted_nodes.append(int(m) - 1)
+        if logw is None:
+            return
+        for i, (r, m, (nodes, _)) in enumerate(zip(rows, sizes, verdicts, strict=True)):
+            if r.method != "ddtree" or m == 1:
                 continue
-            accepted = np.zeros(tree.num_nodes - 1, dtype=bool)
+            accepted = np.zeros(m - 1, dtype=bool)
             accepted[[j - 1 for j in nodes[1:]]] = True
             kind = "greedy" if r.params.greedy else "sampled"
-            self.calibration.observe(kind, tree.logw[1:].exp().numpy(), accepted)
+            self.calibration.observe(kind, np.exp(logw[i, 1:m]), accepted)
 
     def observe(self, verified_tokens: int, verify_seconds: float, draft_rows: int, draft_seconds: float,
                 round_seconds: float) -> None:  # fmt: skip

@@ -233,7 +233,7 @@ class Engine:
         with torch.inference_mode():
             for b, span in itertools.product(runner.batch_buckets, runner.span_buckets):
                 for n in runner.node_buckets:
-                    batch = self.verifier.inputs([], [], shape=(b, n, span))
+                    batch = self.verifier.inputs([], None, shape=(b, n, span))
                     for _ in range(replays):
                         runner.verify_forward(*batch.forward_args(), True)
                 if self.drafter is not None:
@@ -495,9 +495,9 @@ class Engine:
     def _round(self) -> list[StreamDelta]:
         """Draft, build every row's tree, verify all trees in one target forward, accept, commit.
 
-        Stages are timed (waiting for the device at each boundary) only when profiling or when "auto" rows
-        need the cost model; otherwise the round waits only where the host needs device results (the draft
-        logits for the trees, the verify results for the accept step).
+        From the draft to the verdicts the round runs on the device; the host waits once, for the verdicts
+        (``Verifier.commit``). Rows with budget "auto" add one copy (their trees' draft log-probs) and time
+        the stages, as profiling does (waiting for the device at each stage boundary).
         """
         rows = self.scheduler.schedule_round(self.proposer.columns)  # blocks taken; may preempt
         timing = self.profile or any(r.auto for r in rows)
@@ -505,30 +505,25 @@ class Engine:
         seconds = dict.fromkeys(STAGES, 0.0)
         drafting = self.scheduler.drafting_this_round(rows)
         with self._stage(seconds, "draft", timing):
-            draft_logits = self.proposer.draft(drafting) if drafting else {}
+            draft_logits = self.proposer.draft(drafting) if drafting else None  # [D, depth, V]
         with self._stage(seconds, "tree", timing):
-            trees = [self.proposer.tree(r, draft_logits.get(r.request_id)) for r in rows]
-            if any(r.auto and r.request_id in draft_logits for r in rows):
-                trees = self.auto.choose(rows, trees, len(drafting))
+            trees = self.proposer.trees(rows, drafting, draft_logits)
+            logw = None
+            if any(r.auto for r in drafting):
+                trees, logw = self.auto.choose(rows, trees, len(drafting))
         with self._stage(seconds, "inputs", timing):
             batch = self.verifier.inputs(rows, trees)
-            sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-            retrieves = self.verifier.retrieves(trees, sampled)
         with self._stage(seconds, "verify", timing):
             # Features whenever a row drafts, and always with fixed shapes (one graph per shape).
             want = self.runner.fixed_shapes or any(r.drafts for r in rows)
             hidden, features = self.runner.verify_forward(*batch.forward_args(), want)
             hidden = hidden[: batch.rows, : batch.nodes]  # [B, N, H] (padded with fixed shapes)
             features = None if features is None else features[: batch.rows, : batch.nodes]  # [B, N, F * H]
-            # The LM head closes the target forward. Sampling reads every node's distribution; the greedy
-            # walk reads only the nodes it accepts.
-            greedy_heads = self.verifier.greedy_heads(rows, trees, hidden)
-            probs = self.verifier.sampled_probs(rows, sampled, hidden) if sampled else None
         with self._stage(seconds, "accept", timing):
-            verdicts = self.verifier.accept(rows, trees, greedy_heads, sampled, retrieves, probs)
-        self.auto.learn(rows, trees, verdicts)
+            accepted = self.verifier.accept(rows, trees, hidden)  # the LM head closes the target forward
         with self._stage(seconds, "commit", timing):
-            deltas = self.verifier.commit(rows, verdicts, hidden, features, batch.tables)
+            deltas, verdicts = self.verifier.commit(rows, accepted, hidden, features, batch.tables)
+            self.auto.learn(rows, trees.sizes, logw, verdicts)
             self._release_finished(rows)
         elapsed = self._now(timing) - t_round
         if timing:

@@ -15,7 +15,7 @@ from ddtree.capture import pick
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Request
 from ddtree.sampling import SamplingTensors, filtered_probs
-from ddtree.tree import DraftTree, build_ddtree_tree
+from ddtree.tree import TreeBatch, TreeSpec, build_tree_batch, draft_candidates
 
 
 class Proposer:
@@ -35,9 +35,9 @@ class Proposer:
             width = max(sum(x.shape[0] for x in r.features) for r in rows)
             self.draft_pass(rows, len(rows), width, self.runner.block_tables(rows), fixed=False)
 
-    def draft(self, rows: list[Request]) -> dict[str, torch.Tensor]:
-        """One drafter pass over these rows' [root, MASK x (block_size - 1)]; returns each row's draft
-        logits [depth, V] (depth as deep as its tree can grow).
+    def draft(self, rows: list[Request]) -> torch.Tensor:
+        """One drafter pass over these rows' [root, MASK x (block_size - 1)]; returns their draft logits
+        [D, depth, V] (depth: as deep as the deepest row's tree can grow).
 
         A row's context may hold the features of several rounds (budget "auto" skips the drafter while
         drafting does not pay): the pass catches up on all of them, so the drafter's cache ends up exactly
@@ -54,12 +54,9 @@ class Proposer:
         else:
             width = max(sum(x.shape[0] for x in r.features) for r in rows)
             hidden = self.draft_pass(rows, len(rows), width, self.runner.block_tables(rows), fixed=False)
-        depths = [self.depth(r) for r in rows]
-        hidden = hidden[: len(rows), 1 : 1 + max(depths)].to(self.runner.draft_head.dtype)  # [B, depth, H]
-        logits = F.linear(
-            hidden, self.runner.draft_head, self.runner.draft_head_bias
-        ).float()  # [B, depth, V]
-        return {r.request_id: logits[i, : depths[i]] for i, r in enumerate(rows)}
+        depth = max(self.depth(r) for r in rows)
+        hidden = hidden[: len(rows), 1 : 1 + depth].to(self.runner.draft_head.dtype)  # [D, depth, H]
+        return F.linear(hidden, self.runner.draft_head, self.runner.draft_head_bias).float()  # [D, depth, V]
 
     def draft_pass(
         self,
@@ -146,18 +143,46 @@ class Proposer:
         depth = block if r.method == "dflash" else min(self.budget(r), block)
         return max(1, min(depth, self.room(r) - 1))
 
-    def tree(self, r: Request, draft_logits: torch.Tensor | None) -> DraftTree:
-        """Row r's tree: the root alone (``ar``, or no draft this round), the argmax chain (``dflash``) or
-        the best-first tree (``ddtree``; with budget "auto", of ``auto_max_budget`` candidates)."""
-        room = self.drafted_room(r)
-        if draft_logits is None or room < 1:
-            return DraftTree.root_only(r.root)
-        if r.method == "dflash":
-            depth = min(draft_logits.shape[0], room)
-            return build_ddtree_tree(draft_logits, depth, topk=1, root_token=r.root)
-        if self.sampling_aware_trees and not r.params.greedy:
-            sampling = SamplingTensors.from_params([r.params], draft_logits.device)
-            draft_logits = filtered_probs(draft_logits[None], sampling)[
-                0
-            ].log()  # [depth, V], -inf = filtered
-        return build_ddtree_tree(draft_logits, min(self.budget(r), room), topk=r.topk, root_token=r.root)
+    def trees(self, rows: list[Request], drafting: list[Request], logits: torch.Tensor | None) -> TreeBatch:
+        """Every row's tree, built on the device in one batch: the root alone (``ar``, or no draft this
+        round), the argmax chain (``dflash``: branching 1) or the best-first tree (``ddtree``; with budget
+        "auto", of up to ``auto_max_budget`` candidates). ``logits`` [D, depth, V] are the ``drafting``
+        rows' draft logits."""
+        device = self.runner.device
+        b = len(rows)
+        spec = TreeSpec(*(np.zeros(b, dtype=np.int64) for _ in range(3)))
+        drafted = {id(r): i for i, r in enumerate(drafting)}
+        vocab = logits.shape[-1] if logits is not None else 1
+        for i, r in enumerate(rows):
+            room = self.drafted_room(r)
+            if id(r) not in drafted or room < 1:
+                continue
+            depth = self.depth(r)
+            if r.method == "dflash":
+                spec.budgets[i], spec.topks[i], spec.depths[i] = min(depth, room), 1, depth
+            else:
+                budget = min(self.budget(r), room)
+                k = budget if r.topk is None else r.topk
+                spec.budgets[i], spec.topks[i], spec.depths[i] = budget, min(k, budget, vocab), depth
+        roots = torch.tensor([r.root for r in rows], dtype=torch.int64).to(device, non_blocking=True)
+        if logits is None or not spec.budgets.any():
+            return TreeBatch.root_only(roots)
+        if self.sampling_aware_trees:
+            logits = self.sampling_aware(drafting, logits)
+        k = int(spec.topks.max())
+        vals, ids = draft_candidates(logits, k)  # [D, depth, K] each
+        if len(drafting) < b:  # rows that do not draft this round get candidates they never read
+            at = torch.tensor([drafted.get(id(r), 0) for r in rows], device=device)
+            vals, ids = vals[at], ids[at]
+        return build_tree_batch(vals, ids, roots, spec)
+
+    def sampling_aware(self, drafting: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        """Sampled rows draft from the drafter's distribution under their own sampling transform (-inf =
+        filtered out); verification is unchanged."""
+        sampled = [i for i, r in enumerate(drafting) if not r.params.greedy]
+        if not sampled:
+            return logits
+        sampling = SamplingTensors.from_params([drafting[i].params for i in sampled], logits.device)
+        logits = logits.clone()
+        logits[sampled] = filtered_probs(logits[sampled], sampling).log()  # [S, depth, V]
+        return logits

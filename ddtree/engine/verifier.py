@@ -7,7 +7,6 @@ A verdict is, per row, ``(accepted node indices with the root first, emitted tok
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,9 +16,9 @@ from ddtree.capture import pick
 from ddtree.commit import pack_accepted, token_logprobs
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Request, StreamDelta
-from ddtree.sampling import SamplingTensors, filtered_probs, sample_rows, sample_trees
-from ddtree.tree import DraftTree, compile_ddtree_retrieve
-from ddtree.verify import first_child_chain, follow_verified_tree, tree_verify_inputs
+from ddtree.sampling import SamplingTensors, filtered_probs, inverse_cdf, sample_tree_batch
+from ddtree.tree import TreeBatch
+from ddtree.verify import Accepted, accept_greedy, ancestor_mask
 
 Verdict = tuple[list[int], list[int]]  # (accepted nodes, root first; emitted tokens, bonus last)
 
@@ -51,7 +50,10 @@ class VerifyBatch:
 
 
 class Verifier:
-    """Verify inputs, heads, acceptance and commit over the model runner's target and cache."""
+    """Verify inputs, heads, acceptance and commit over the model runner's target and cache.
+
+    From the trees to the verdicts everything stays on the device; ``commit`` copies the round's verdicts
+    (tokens, accepted nodes, lengths) to the host in one transfer, the round's one sync."""
 
     def __init__(self, runner: ModelRunner, threshold_single: float, threshold_acc: float) -> None:
         self.runner = runner
@@ -60,27 +62,33 @@ class Verifier:
 
     def first_tokens(self, logits: torch.Tensor, batch: list[Request]) -> list[int]:
         """The first token of each request, straight from the prefill logits [B, V]."""
-        roots = logits.argmax(dim=-1).tolist()
+        tokens = logits.argmax(dim=-1)  # [B]
         sampled = [i for i, r in enumerate(batch) if not r.params.greedy]
         if sampled:
-            probs = filtered_probs(
-                logits[sampled][:, None], SamplingTensors.from_params([batch[i].params for i in sampled])
-            )[:, 0]  # [S, V]
-            coins = torch.stack([torch.rand((), generator=batch[i].generator) for i in sampled])  # [S]
-            for i, token in zip(sampled, sample_rows(probs, coins), strict=True):
-                roots[i] = token
-        return roots
+            device = logits.device
+            sampling = SamplingTensors.from_params([batch[i].params for i in sampled], device)
+            probs = filtered_probs(logits[sampled][:, None], sampling)[:, 0]  # [S, V]
+            coins = torch.stack(
+                [torch.rand((), generator=batch[i].generator, device=device) for i in sampled]
+            )  # [S]
+            at = torch.tensor(sampled, device=device)
+            tokens = tokens.index_copy(0, at, inverse_cdf(probs, coins))
+        return tokens.tolist()
 
     def inputs(
-        self, rows: list[Request], trees: list[DraftTree], shape: tuple[int, int, int] | None = None
+        self, rows: list[Request], trees: TreeBatch | None, shape: tuple[int, int, int] | None = None
     ) -> VerifyBatch:
         """Every row's tree as one padded batch: to the widest tree, or with fixed shapes to the buckets
-        that hold the batch (``shape`` = rows, nodes, span forces one, for the warm-up)."""
-        sizes = [t.num_nodes for t in trees]
-        b, n = len(rows), max(sizes, default=1)
+        that hold the batch (``shape`` = rows, nodes, span forces one, for the warm-up with no rows).
+
+        The trees are on the device already: positions, columns and the ancestor block are tensor ops on
+        them; the host adds only what it knows (the rows' lengths and block tables)."""
+        device = self.runner.device
+        b = len(rows)
+        sizes = trees.sizes if trees is not None else np.ones(0, dtype=np.int64)
+        n = trees.tokens.shape[1] if trees is not None else 1
         starts = np.array([r.start for r in rows], dtype=np.int64)  # [B]
-        needed = int(max((s + m for s, m in zip(starts, sizes, strict=True)), default=1))
-        span = self.runner.span(needed)  # whole blocks, or with fixed shapes a span bucket
+        span = self.runner.span(int((starts + sizes).max(initial=1)))  # whole blocks, or a span bucket
         if shape is not None:
             bp, np_, span = shape
         elif self.runner.fixed_shapes:
@@ -89,131 +97,114 @@ class Verifier:
             bp, np_ = b, n
         all_starts = np.ones(bp, dtype=np.int64)  # a dummy row sees column 0 (a masked-out row is NaN)
         all_starts[:b] = starts
-        ids = np.zeros((bp, np_), dtype=np.int64)
-        positions = np.repeat(all_starts[:, None], np_, axis=1)  # [B, N]; padding sits at the root's position
-        cols = np.full((bp, np_), self.runner.cache.scratch, dtype=np.int64)  # [B, N]
-        anc = np.zeros((bp, np_, np_), dtype=bool)  # [B, N, N]; padding sees committed columns only
-        for i, (tree, start, m) in enumerate(zip(trees, starts, sizes, strict=True)):
-            tree_ids, tree_positions, tree_anc = tree_verify_inputs(tree, int(start))  # [m], [m], [m, m]
-            ids[i, :m], positions[i, :m], anc[i, :m, :m] = tree_ids, tree_positions, tree_anc
-            cols[i, :m] = np.arange(start, start + m)
+        starts_t = torch.from_numpy(all_starts).to(device, non_blocking=True)  # [Bp]
+        ids = torch.zeros(bp, np_, dtype=torch.int64, device=device)
+        positions = starts_t[:, None].repeat(1, np_)  # [Bp, Np]; padding sits at the root's position
+        cols = torch.full((bp, np_), self.runner.cache.scratch, dtype=torch.int64, device=device)
+        anc = torch.zeros(bp, np_, np_, dtype=torch.bool, device=device)  # padding: committed columns only
+        if b:
+            valid = trees.valid  # [B, N]
+            ids[:b, :n] = trees.tokens
+            positions[:b, :n] += torch.where(valid, trees.depths, 0)
+            nodes = torch.arange(n, device=device)
+            cols[:b, :n] = torch.where(valid, starts_t[:b, None] + nodes, self.runner.cache.scratch)
+            anc[:b, :n, :n] = ancestor_mask(trees)
         tensors = self.runner.inputs.load(
             self.runner.fixed_shapes,
             ids=ids,
             positions=positions,
             cols=cols,
-            starts=all_starts,
+            starts=starts_t,
             anc=anc,
             tables=self.runner.block_tables(rows, bp),
         )
         return VerifyBatch(*tensors, span=span, rows=b, nodes=n)
 
-    def greedy_heads(
-        self, rows: list[Request], trees: list[DraftTree], hidden: torch.Tensor
-    ) -> dict[int, Callable[[int], int]]:
-        """For each greedy row i, the target's argmax at its node j, from the final hidden states [B, N, H].
-
-        On an accelerator one head over all greedy rows is one kernel and one transfer. On the CPU the head's
-        cost grows with its rows, and the walk usually accepts along the first-child chain (the drafter's
-        top token at each depth): those rows of every greedy tree go through the head together, and a node
-        off the chain gets its row when the walk reaches it (counted in the accept stage).
-        """
+    def accept(self, rows: list[Request], trees: TreeBatch, hidden: torch.Tensor) -> Accepted:
+        """Every row's verdict on the device, from the final hidden states [B, N, H]: greedy rows by
+        matching each node against its parent's target argmax, sampled rows by tree rejection sampling
+        (each drawing its coins from its own generator, in the same order alone or in a batch)."""
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-        if not greedy:
-            return {}
-        if self.runner.device.type != "cpu":
-            argmax = self.runner.lm_head(hidden[greedy]).argmax(dim=-1).tolist()  # [G, N]
-            return {i: argmax[k].__getitem__ for k, i in enumerate(greedy)}
-        chains = {i: first_child_chain(trees[i]) for i in greedy}
-        row_idx = torch.tensor([i for i in greedy for _ in chains[i]], device=self.runner.device)
-        node_idx = torch.tensor([j for i in greedy for j in chains[i]], device=self.runner.device)
-        argmax = iter(self.runner.lm_head(hidden[row_idx, node_idx]).argmax(dim=-1).tolist())
-        heads = {}
-        for i in greedy:
-            known = {j: next(argmax) for j in chains[i]}
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        parts = []
+        for group in (greedy, sampled):
+            if not group:
+                continue
+            whole = len(group) == len(rows)
+            sub = trees if whole else trees.select(group)
+            logits = self.runner.lm_head(hidden if whole else hidden[group])  # [G, N, V]
+            if group is greedy:
+                parts.append((group, accept_greedy(sub, logits.argmax(dim=-1))))
+            else:
+                parts.append((group, self._sample(rows, group, sub, logits)))
+        if len(parts) == 1:
+            return parts[0][1]
+        b, steps, device = len(rows), trees.depth + 1, hidden.device
+        out = Accepted(
+            path=torch.zeros(b, steps, dtype=torch.int64, device=device),
+            tokens=torch.zeros(b, steps, dtype=torch.int64, device=device),
+            lengths=torch.zeros(b, dtype=torch.int64, device=device),
+        )
+        for group, part in parts:
+            at = torch.tensor(group, device=device)
+            for name in ("path", "tokens", "lengths"):
+                getattr(out, name).index_copy_(0, at, getattr(part, name))
+        return out
 
-            def target_token(j: int, known: dict[int, int] = known, i: int = i) -> int:
-                if j not in known:
-                    known[j] = int(self.runner.lm_head(hidden[i, j : j + 1]).argmax())
-                return known[j]
-
-            heads[i] = target_token
-        return heads
-
-    def accept(
-        self,
-        rows: list[Request],
-        trees: list[DraftTree],
-        greedy_heads: dict[int, Callable[[int], int]],
-        sampled: list[int],
-        retrieves: dict,
-        probs: torch.Tensor | None,
-    ) -> list[Verdict]:
-        """Per row: (accepted nodes, root first; emitted tokens, bonus last)."""
-        verdicts: list = [None] * len(rows)
-        for i, head in greedy_heads.items():
-            verdicts[i] = follow_verified_tree(trees[i], head)
-        if sampled:
-            # Each row draws from its own generator, in the same order alone or in a batch.
-            coins, finals, device = [], [], self.runner.device
-            for i in sampled:
-                coins.append(torch.rand(trees[i].num_nodes, generator=rows[i].generator, device=device))
-                finals.append(torch.rand((), generator=rows[i].generator, device=device))
-            drawn = sample_trees(
-                [trees[i] for i in sampled],
-                [retrieves[i] for i in sampled],
-                probs,
-                coins,
-                torch.stack(finals),
-                threshold_single=self.threshold_single,
-                threshold_acc=self.threshold_acc,
-            )
-            for i, verdict in zip(sampled, drawn, strict=True):
-                verdicts[i] = verdict
-        return verdicts
+    def _sample(
+        self, rows: list[Request], group: list[int], trees: TreeBatch, logits: torch.Tensor
+    ) -> Accepted:
+        """Tree rejection sampling of the rows ``group`` (their trees and head logits [S, N, V])."""
+        device = logits.device
+        probs = filtered_probs(logits, SamplingTensors.from_params([rows[i].params for i in group], device))
+        coins = torch.zeros(trees.tokens.shape, dtype=torch.float32, device=device)  # [S, N]
+        finals = []
+        for k, i in enumerate(group):
+            m, generator = int(trees.sizes[k]), rows[i].generator
+            coins[k, :m] = torch.rand(m, generator=generator, device=device)
+            finals.append(torch.rand((), generator=generator, device=device))
+        return sample_tree_batch(
+            trees, probs, coins, torch.stack(finals), self.threshold_single, self.threshold_acc
+        )
 
     def commit(
         self,
         rows: list[Request],
-        verdicts: list[Verdict],
+        accepted: Accepted,
         hidden: torch.Tensor,
         features: torch.Tensor | None,
         tables: torch.Tensor,
-    ) -> list[StreamDelta]:
+    ) -> tuple[list[StreamDelta], list[Verdict]]:
         """Pack every row's accepted keys/values after its committed tokens (``tables``: the round's block
-        tables), write its tokens and keep its accepted nodes' drafter features (the engine releases the
-        rows that finished)."""
-        pack_accepted(self.runner.cache, tables, [r.start for r in rows], [v[0] for v in verdicts])
-        deltas = []
-        for i, (r, (nodes, tokens)) in enumerate(zip(rows, verdicts, strict=True)):
+        tables) and keep its accepted nodes' drafter features, on the device; then bring the verdicts to
+        the host in one copy, write each row's tokens and advance it (the engine releases the rows that
+        finished). Returns the deltas and the verdicts."""
+        b, steps = accepted.path.shape
+        device = accepted.path.device
+        starts = torch.tensor([r.start for r in rows], dtype=torch.int64).to(device, non_blocking=True)
+        pack_accepted(self.runner.cache, tables[:b], starts, accepted.path, accepted.lengths)
+        kept = None
+        if features is not None and any(r.drafts for r in rows):  # [B, S, F * H], a fresh tensor
+            kept = features.gather(1, accepted.path[..., None].expand(-1, -1, features.shape[-1]))
+        host = torch.cat((accepted.tokens, accepted.path, accepted.lengths[:, None]), dim=1).tolist()
+        deltas, verdicts = [], []
+        for i, r in enumerate(rows):
+            m = host[i][-1]
+            tokens, nodes = host[i][:m], host[i][steps : steps + m]
+            verdicts.append((nodes, tokens))
             logprobs = None
             if r.params.logprobs is not None:
                 logprobs = token_logprobs(self.runner.lm_head(hidden[i, nodes]), tokens, r.params.logprobs)
             before = len(r.output.token_ids)
             taken = r.output.write(tokens, logprobs)
-            m = len(nodes)
-            if r.drafts:  # [N, F * H] -> [m, F * H]; a first-child chain needs no gather
-                # Rows that skipped the drafter this round keep their earlier unconsumed features too.
-                # A copy: the forward's output buffer is reused by the next round (CUDA graphs).
-                r.features.append(features[i, :m].clone() if nodes[-1] == m - 1 else features[i, nodes])
+            if r.drafts:  # rows that skipped the drafter this round keep their earlier features too
+                r.features.append(kept[i, :m])
             r.start += m
             r.root = tokens[-1]
             r.stats.acceptance_lengths.append(len(tokens))
             r.stats.decode_tokens += taken
             deltas.append(delta_of(r, before))
-        return deltas
-
-    def retrieves(self, trees: list[DraftTree], sampled: list[int]) -> dict[int, object]:
-        """Per sampled row with drafts, its tree in SGLang's retrieve format (first child, next sibling)."""
-        return {
-            i: compile_ddtree_retrieve(trees[i].parents, trees[i].logw) if trees[i].num_nodes > 1 else None
-            for i in sampled
-        }
-
-    def sampled_probs(self, rows: list[Request], sampled: list[int], hidden: torch.Tensor) -> torch.Tensor:
-        """The filtered target distributions of the sampled rows' nodes [S, N, V]: sampling reads them all."""
-        logits = self.runner.lm_head(hidden[sampled])  # [S, N, V]
-        return filtered_probs(logits, SamplingTensors.from_params([rows[i].params for i in sampled]))
+        return deltas, verdicts
 
 
 def delta_of(r: Request, before: int) -> StreamDelta:

@@ -1,0 +1,151 @@
+"""Oracles: the scalar and full-sort implementations the vectorised library code is held to.
+
+They are the library's first implementations, kept here verbatim apart from one rule made explicit (the
+sibling running sum is each exact partial sum rounded to float32, which both sides now use).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ddtree.params import check_accept_thresholds
+from ddtree.sampling import SamplingTensors, inverse_cdf
+
+
+def filtered_probs_reference(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
+    """The filters as one full sort per node (the library's first implementation): [B, N, V] -> [B, N, V].
+
+    Order (as HF generate): temperature, top-k, top-p, min-p, then renormalise. Each filter works on the
+    logits left by the previous one, exactly as HF's Temperature/TopK/TopP/MinP logits warpers do, so
+    ``do_sample=True`` in transformers and this target agree. Top-k keeps every token tied with the k-th
+    largest logit; top-p drops the least likely tokens whose total mass is <= 1 - top_p (ties broken by
+    vocab index, lower index dropped first) and always keeps the most likely one; min-p drops tokens with
+    prob < min_p * max prob. A filter that is off for a row leaves that row alone, and every op works row by
+    row, so a request's distribution is the same alone or in any batch.
+    """
+    scores = logits.float() / sampling.temperature[:, None, None]  # [B, N, V]
+    vocab = scores.shape[-1]
+    k = sampling.top_k.clamp(max=vocab)  # [B]
+    if bool((k > 0).any()):
+        top = torch.topk(scores, int(k.max()), dim=-1).values  # [B, N, kmax]
+        kth = top.gather(-1, (k - 1).clamp(min=0)[:, None, None].expand(-1, top.shape[1], 1))  # [B, N, 1]
+        scores = scores.masked_fill((scores < kth) & (k > 0)[:, None, None], float("-inf"))
+    on = sampling.top_p < 1.0  # [B]
+    if bool(on.any()):
+        ascending, order = torch.sort(scores, dim=-1, stable=True)  # [B, N, V]
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)  # [B, N, V] in sorted order
+        keep_mass = (1.0 - sampling.top_p).float()  # [B]
+        drop = (cumulative <= keep_mass[:, None, None]) & on[:, None, None]
+        drop[..., -1] = False
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    if bool((sampling.min_p > 0).any()):
+        probs = scores.softmax(dim=-1)  # [B, N, V]
+        floor = sampling.min_p[:, None, None] * probs.amax(dim=-1, keepdim=True)  # [B, N, 1]
+        scores = scores.masked_fill(probs < floor, float("-inf"))
+    return scores.softmax(dim=-1)
+
+
+
+def tree_sampling_reference(
+    predicts: torch.Tensor,
+    accept_index: torch.Tensor,
+    accept_token_num: torch.Tensor,
+    candidates: torch.Tensor,
+    retrive_index: torch.Tensor,
+    retrive_next_token: torch.Tensor,
+    retrive_next_sibling: torch.Tensor,
+    uniform_samples: torch.Tensor,
+    uniform_samples_for_final_sampling: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+) -> None:
+    """sgl_kernel's tree rejection sampling as a scalar walk over host lists (the library's first
+    implementation), the oracle of the vectorised one: same arguments, same outputs."""
+    threshold_single, threshold_acc = check_accept_thresholds(threshold_single, threshold_acc)
+    bs, n = candidates.shape
+    steps = accept_index.shape[1]
+    vocab = target_probs.shape[-1]
+    if target_probs.shape != (bs, n, vocab) or draft_probs.shape != target_probs.shape:
+        raise ValueError(f"target/draft probs must be [{bs}, {n}, V], got {tuple(target_probs.shape)}")
+    if target_probs.dtype != torch.float32 or draft_probs.dtype != torch.float32:
+        raise ValueError("target_probs and draft_probs must be float32")
+    if any(t.dtype != torch.int32 for t in (predicts, accept_index, accept_token_num)):
+        raise ValueError("predicts, accept_index and accept_token_num must be int32")
+    device = target_probs.device
+
+    # The walk is sequential and tiny: run it on the host with one transfer per index array.
+    cand = candidates.tolist()
+    slot = retrive_index.tolist()
+    first_child = retrive_next_token.tolist()
+    next_sibling = retrive_next_sibling.tolist()
+    # Each node's target prob under its parent's row, gathered in one op: [bs, N].
+    parent = [[0] * n for _ in range(bs)]
+    for b in range(bs):
+        for x in range(n):
+            c = first_child[b][x]
+            while c != -1:
+                parent[b][c] = x
+                c = next_sibling[b][c]
+    row_ids = torch.arange(bs, device=device)  # [bs]
+    parent_t = torch.tensor(parent, dtype=torch.int64, device=device)  # [bs, N]
+    drafted = candidates.clone()  # [bs, N]
+    drafted[:, 0] = 0  # the root's own token is never tried: gather anything in range
+    cand_probs = target_probs[row_ids[:, None], parent_t, drafted].cpu().numpy()  # [bs, N] float32
+    coins = uniform_samples.float().cpu().numpy()  # [bs, N] float32
+    single = np.float32(threshold_single)
+    acc_scale = np.float32(max(threshold_acc, 1e-9))
+
+    paths: list[list[int]] = []
+    rejected: list[tuple[int, int, int]] = []  # (row, node, token) whose mass leaves the residual
+    last_rejected = [-1] * bs
+    for b in range(bs):
+        path, cur = [0], 0
+        for _ in range(1, steps):
+            child, exact = first_child[b][cur], 0.0
+            while child != -1:
+                p = cand_probs[b, child]
+                exact += float(p)
+                running = np.float32(exact)  # each partial sum rounded from the exact one
+                if p > 0 and (coins[b, cur] < running / acc_scale or p >= single):
+                    break
+                rejected.append((b, cur, cand[b][child]))
+                if p > 0:
+                    last_rejected[b] = cand[b][child]
+                child = next_sibling[b][child]
+            if child == -1:
+                break
+            last_rejected[b] = -1  # the fallback is a rejected child of the node the bonus is drawn at
+            path.append(child)
+            cur = child
+        paths.append(path)
+
+    if rejected:
+        rb, rn, rt = torch.tensor(rejected, dtype=torch.int64, device=device).unbind(1)
+        draft_probs[rb, rn, rt] = target_probs[rb, rn, rt]
+
+    # Bonus draws, vectorised over rows: [bs, V].
+    ends = torch.tensor([path[-1] for path in paths], dtype=torch.int64, device=device)  # [bs]
+    subtract = torch.tensor([len(path) < steps for path in paths], device=device)  # [bs]
+    q = target_probs[row_ids, ends]  # [bs, V]
+    residual = torch.where(subtract[:, None], (q - draft_probs[row_ids, ends]).clamp_min(0.0), q)
+    bonus = inverse_cdf(residual, uniform_samples_for_final_sampling.float().to(device)).tolist()  # [bs]
+
+    # Node path[j] predicts the token of path[j + 1]; the last accepted node predicts the bonus.
+    slots: list[int] = []
+    tokens: list[int] = []
+    acc_rows: list[int] = []
+    acc_cols: list[int] = []
+    for b, path in enumerate(paths):
+        if bonus[b] < 0:  # no residual mass left: every token was rejected, up to rounding
+            bonus[b] = last_rejected[b] if last_rejected[b] >= 0 else vocab - 1
+        slots += [slot[b][x] for x in path]
+        tokens += [cand[b][x] for x in path[1:]] + [bonus[b]]
+        acc_rows += [b] * len(path)
+        acc_cols += range(len(path))
+    slots_t = torch.tensor(slots, dtype=torch.int64, device=predicts.device)
+    predicts[slots_t] = torch.tensor(tokens, dtype=torch.int32, device=predicts.device)
+    accept_index[acc_rows, acc_cols] = slots_t.to(device=accept_index.device, dtype=torch.int32)
+    accept_token_num.copy_(torch.tensor([len(path) - 1 for path in paths], dtype=torch.int32))

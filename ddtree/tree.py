@@ -214,9 +214,7 @@ class TreeBatch:
         )
 
 
-def build_tree_batch(
-    vals: torch.Tensor, ids: torch.Tensor, roots: torch.Tensor, spec: TreeSpec
-) -> TreeBatch:
+def build_tree_batch(vals: torch.Tensor, ids: torch.Tensor, roots: torch.Tensor, spec: TreeSpec) -> TreeBatch:
     """Every row's best-first tree at once, as tensor ops on the device (no host sync).
 
     ``vals`` / ``ids`` [B, L, K] are each row's candidates (``draft_candidates``), ``roots`` [B] the roots'

@@ -46,7 +46,6 @@ def filtered_probs_reference(logits: torch.Tensor, sampling: SamplingTensors) ->
     return scores.softmax(dim=-1)
 
 
-
 def tree_sampling_reference(
     predicts: torch.Tensor,
     accept_index: torch.Tensor,

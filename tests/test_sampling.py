@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -15,13 +18,24 @@ from transformers.generation.logits_process import (
 from ddtree.errors import DDTreeError
 from ddtree.params import SamplingParams
 from ddtree.sampling import (
+    SamplingTensors,
+    filtered_probs,
     sample_from_probs,
     sample_tree,
+    sample_tree_batch,
     target_probs_from_logits,
     tree_speculative_sampling_target_only,
 )
-from ddtree.tree import DraftTree, TreeRetrieve
+from ddtree.tree import (
+    DraftTree,
+    TreeRetrieve,
+    TreeSpec,
+    build_tree_batch,
+    compile_ddtree_retrieve,
+    draft_candidates,
+)
 from tests.conftest import tree_from_parents
+from tests.oracles import filtered_probs_reference, tree_sampling_reference
 
 
 def make_tree(parents: list[int], tokens: list[int]) -> tuple[DraftTree, TreeRetrieve]:
@@ -475,3 +489,112 @@ def test_lossy_threshold_fails_the_same_distribution_check():
     observed, expected = sampled_pairs(threshold_acc=1 / 1.2)
     assert chi2_p(observed.view(5, 5).sum(1), expected.view(5, 5).sum(1)) < 1e-6
     assert chi2_p(observed, expected) < 1e-6
+
+
+def _random_sampling_case(seed: int):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    b, depth, vocab = rng.randint(1, 5), rng.randint(1, 5), rng.choice([3, 6, 20])
+    logits = torch.randn(b, depth, vocab, generator=gen) * rng.choice([0.5, 2, 5])
+    budgets = np.array([rng.choice([0, 1, 3, 8, 20]) for _ in range(b)])
+    topks = np.array([min(rng.choice([1, 2, vocab]), max(x, 1), vocab) for x in budgets])
+    spec = TreeSpec(budgets, topks, np.array([rng.randint(1, depth) for _ in range(b)]))
+    vals, ids = draft_candidates(logits, int(topks[budgets > 0].max(initial=1)))
+    trees = build_tree_batch(vals, ids, torch.randint(0, vocab, (b,), generator=gen), spec)
+    n = trees.tokens.shape[1]
+    probs = torch.softmax(torch.randn(b, n, vocab, generator=gen) * rng.choice([0.5, 3, 10]), -1)
+    if rng.random() < 0.3:  # zero-mass candidates
+        probs = probs.masked_fill(torch.rand(b, n, vocab, generator=gen) < 0.5, 0)
+    thresholds = {
+        "threshold_single": rng.choice([1.0, 1.0, 0.5, 0.0]),
+        "threshold_acc": rng.choice([1.0, 1.0, 0.7, 0.0]),
+    }
+    return trees, probs, torch.rand(b, n, generator=gen), torch.rand(b, generator=gen), thresholds
+
+
+def test_vectorised_tree_sampling_equals_the_scalar_walk():
+    """The contract function, the engine's batched entry point and the scalar oracle agree exactly on
+    predicts, accept_index, accept_token_num and draft_probs over 400 random batches of device trees."""
+    for seed in range(400):
+        trees, probs, coins, final, thresholds = _random_sampling_case(seed)
+        b, n = trees.tokens.shape
+        steps = trees.depth + 1
+        next_token, next_sibling = torch.full((b, n), -1), torch.full((b, n), -1)
+        for i in range(b):
+            m = int(trees.sizes[i])
+            if m > 1:
+                retrieve = compile_ddtree_retrieve(trees.parents[i, :m], trees.logw[i, :m])
+                next_token[i, :m], next_sibling[i, :m] = retrieve.next_token, retrieve.next_sibling
+        outputs = []
+        for kernel in (tree_sampling_reference, tree_speculative_sampling_target_only):
+            out = (
+                torch.zeros(b * n, dtype=torch.int32),
+                torch.full((b, steps), -1, dtype=torch.int32),
+                torch.zeros(b, dtype=torch.int32),
+                torch.zeros_like(probs),
+            )
+            kernel(out[0], out[1], out[2], trees.tokens, torch.arange(b * n).view(b, n), next_token,
+                   next_sibling, coins, final, probs, out[3], **thresholds)  # fmt: skip
+            outputs.append(out)
+        (p0, a0, n0, d0), (p1, a1, n1, d1) = outputs
+        assert torch.equal(a0, a1) and torch.equal(n0, n1) and torch.equal(d0, d1), seed
+        batched = sample_tree_batch(trees, probs, coins, final, **thresholds)
+        for i in range(b):
+            m = int(n0[i]) + 1
+            slots = a0[i, :m].long()
+            assert torch.equal(p0[slots], p1[slots]), seed
+            assert int(batched.lengths[i]) == m
+            assert (batched.path[i, :m] + i * n).tolist() == slots.tolist()
+            assert batched.tokens[i, :m].tolist() == p0[slots].tolist()
+
+
+def test_kernel_accepts_sglangs_deterministic_argument():
+    """Callers written for sgl_kernel's signature pass ``deterministic``; the output does not depend on it."""
+    tree, retrieve = make_tree(PARENTS, TOKENS)
+    probs = torch.softmax(torch.randn(1, 5, 6, generator=torch.Generator().manual_seed(3)), dim=-1)
+    coins, final = torch.rand(1, 5), torch.rand(1)
+    results = []
+    for deterministic in (True, False):
+        predicts = torch.zeros(5, dtype=torch.int32)
+        accept_index = torch.full((1, 3), -1, dtype=torch.int32)
+        num = torch.zeros(1, dtype=torch.int32)
+        tree_speculative_sampling_target_only(
+            predicts, accept_index, num, tree.tokens[None], torch.arange(5)[None],
+            retrieve.next_token[None], retrieve.next_sibling[None], coins, final, probs,
+            torch.zeros_like(probs), deterministic=deterministic,
+        )  # fmt: skip
+        results.append((predicts.tolist(), accept_index.tolist(), num.tolist()))
+    assert results[0] == results[1]
+
+
+def _logits_of_kind(kind: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    if kind == "ties":  # few distinct logits
+        return torch.randint(0, 4, shape, generator=gen).float()
+    if kind == "flat":
+        return torch.zeros(shape)
+    scale = {"random": 1.0, "peaked": 10.0, "bf16": 2.0}[kind]
+    x = torch.randn(shape, generator=gen) * scale
+    return x.bfloat16().float() if kind == "bf16" else x
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 4096])
+def test_sort_free_filters_equal_the_full_sort(vocab):
+    """Top-k, top-p and min-p without sorting the vocabulary equal the full-sort implementation (max abs
+    difference <= 1e-6) on random, tied (few distinct logits), flat, peaked and bf16-rounded logits."""
+    for seed in range(60):
+        rng = random.Random(seed)
+        gen = torch.Generator().manual_seed(seed)
+        b, n = rng.randint(1, 4), rng.randint(1, 5)
+        logits = _logits_of_kind(rng.choice(["random", "ties", "flat", "peaked", "bf16"]), (b, n, vocab), gen)
+        params = [
+            SamplingParams(
+                temperature=rng.choice([0.5, 1.0, 1.3]),
+                top_k=rng.choice([0, 0, 1, 5, 50]),
+                top_p=rng.choice([1.0, 0.9, 0.5, 0.99, 1e-3]),
+                min_p=rng.choice([0.0, 0.0, 0.05, 0.3]),
+            )
+            for _ in range(b)
+        ]
+        got = filtered_probs(logits, SamplingTensors.from_params(params))
+        want = filtered_probs_reference(logits, SamplingTensors.from_params(params))
+        assert (got - want).abs().max() <= 1e-6, (seed, params)

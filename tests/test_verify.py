@@ -1,10 +1,11 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from ddtree.tree import DraftTree, build_ddtree_tree
-from ddtree.verify import follow_verified_tree
+from ddtree.tree import DraftTree, TreeSpec, build_ddtree_tree, build_tree_batch, draft_candidates
+from ddtree.verify import accept_greedy, follow_verified_tree
 from tests.conftest import tree_from_parents
 
 
@@ -59,3 +60,22 @@ def test_greedy_walk_asks_the_target_only_about_the_nodes_it_accepts():
     nodes, tokens = follow_verified_tree(tree, target_token)
     assert (nodes, tokens) == ([0, 2, 4, 6], [6, 8, 3, 2])
     assert asked == nodes
+
+
+def test_batched_greedy_acceptance_equals_the_scalar_walk():
+    """accept_greedy over whole batches of device trees against follow_verified_tree row by row, with
+    targets that agree with some child most of the time (deep walks) and budgets from 0 to 64."""
+    for seed in range(200):
+        gen = torch.Generator().manual_seed(seed)
+        b, vocab = int(torch.randint(1, 6, (), generator=gen)), 5
+        logits = torch.randn(b, 6, vocab, generator=gen) * 0.5  # flat: wide trees with many siblings
+        budgets = torch.randint(0, 65, (b,), generator=gen).numpy()
+        spec = TreeSpec(budgets, np.minimum(np.maximum(budgets, 1), vocab), np.full(b, 6))
+        vals, ids = draft_candidates(logits, vocab)
+        trees = build_tree_batch(vals, ids, torch.randint(0, vocab, (b,), generator=gen), spec)
+        argmax = torch.randint(0, vocab, trees.tokens.shape, generator=gen)
+        got = accept_greedy(trees, argmax)
+        for i in range(b):
+            nodes, tokens = follow_verified_tree(trees.row(i), argmax[i].tolist().__getitem__)
+            m = int(got.lengths[i])
+            assert (got.path[i, :m].tolist(), got.tokens[i, :m].tolist()) == (nodes, tokens)

@@ -98,10 +98,6 @@ def filtered_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Ten
     return scores.masked_fill(~keep, float("-inf")).softmax(dim=-1)  # HF's final softmax
 
 
-_HI_BINS = 1 << 14  # probabilities are <= 1.0 = 0x3F800000, so their top 16 bits are below 0x4000
-_LO_BINS = 1 << 16
-
-
 def nucleus_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """HF's top-p rule without sorting: keep [R, V] bool for probs [R, V] (float32, rows summing to ~1) and
     top_p [R] (float64).
@@ -109,48 +105,54 @@ def nucleus_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     HF sorts each row ascending (ties by index), takes the running sum and drops the tokens whose running
     sum is <= 1 - top_p, keeping at least the largest. The dropped tokens are those below one boundary
     value (and, among the tokens equal to it, the lowest indices). The float32 bit patterns of
-    non-negative numbers sort as the numbers do, so two mass histograms find that value exactly: one over
-    the top 16 bits, one over the low 16 bits of the bin the running sum crosses in. Masses add in
-    float64 and are compared rounded to float32, as HF's float32 running sum is. Cost: a few passes over
-    [R, V], whatever the distribution's shape (a sort of 152k entries per row is about 30 times more).
+    non-negative numbers sort as the numbers do, so mass histograms over their bits, most significant
+    first, find that value exactly: each level histograms the next ``b`` bits of the entries that share the
+    bits found so far (b ~ log2 V, so a level's bins cost no more than the row; two levels at V = 152k).
+    Masses add in float64 and are compared rounded to float32, as HF's float32 running sum is. Cost: a few
+    passes over [R, V] whatever the distribution's shape (sorting 152k entries per row is about 30 times
+    more on the CPU).
     """
     rows, vocab = probs.shape
     device = probs.device
-    threshold = (1.0 - top_p).float()  # [R] the keep mass HF compares with, in float32
-    bits = probs.view(torch.int32)  # [R, V]
+    threshold = (1.0 - top_p).float()[:, None]  # [R, 1] the keep mass HF compares with, in float32
+    bits = probs.view(torch.int32)  # [R, V], sign bit 0: 31 significant bits
     mass = probs.double().view(-1)  # [R * V]
+    width = min(16, max(8, (vocab - 1).bit_length() - 1))  # bits per level
     row = torch.arange(rows, device=device, dtype=torch.int32)[:, None]  # [R, 1]
-    hist = torch.zeros(rows * _HI_BINS, dtype=torch.float64, device=device)
-    hist.index_add_(0, (torch.bitwise_right_shift(bits, 16) + row * _HI_BINS).view(-1), mass)
-    cum = hist.view(rows, _HI_BINS).cumsum(dim=1)  # [R, bins] running mass up to each bin's end
-    bin_ = (cum.float() <= threshold[:, None]).sum(dim=1)  # [R] first bin not dropped as a whole
-    crossed = bin_ < _HI_BINS  # False: even the whole row is <= 1 - top_p (keep only the largest)
-    bin_ = bin_.clamp(max=_HI_BINS - 1)
-    below = torch.where(bin_ > 0, cum.gather(1, (bin_ - 1).clamp(min=0)[:, None])[:, 0], 0.0)  # [R]
-    # Low 16 bits within that bin; entries below it go to slot 0, above it to the last slot.
-    low = (bits - (bin_.int() << 16)[:, None]).clamp_(-1, _LO_BINS).add_(1 + row * (_LO_BINS + 2))
-    hist = torch.zeros(rows * (_LO_BINS + 2), dtype=torch.float64, device=device)
-    hist.index_add_(0, low.view(-1), mass)
-    fine = hist.view(rows, _LO_BINS + 2)[:, 1:-1]  # [R, 65536] mass of each exact value in the bin
-    fine_cum = below[:, None] + fine.cumsum(dim=1)  # [R, 65536]
-    value = (fine_cum.float() <= threshold[:, None]).sum(dim=1).clamp(max=_LO_BINS - 1)  # [R]
-    boundary = (bin_.int() << 16) + value.int()  # [R] bit pattern of the boundary value
-    boundary = torch.where(crossed, boundary, bits.amax(dim=1))
-    below = torch.where(value > 0, fine_cum.gather(1, (value - 1).clamp(min=0)[:, None])[:, 0], below)
+    prefix = torch.zeros(rows, 1, dtype=torch.int32, device=device)  # the boundary's bits found so far
+    below = torch.zeros(rows, dtype=torch.float64, device=device)  # mass strictly below the prefix' range
+    crossed = torch.ones(rows, dtype=torch.bool, device=device)
+    shift = 31
+    while shift > 0:
+        b = min(width, shift)
+        shift -= b
+        slots = (1 << b) + 2  # slot 0: below the prefix' range, last: above it
+        index = torch.bitwise_right_shift(bits, shift) - (prefix << b)  # [R, V] bin within the range
+        index = index.clamp_(-1, 1 << b).add_(1 + row * slots)
+        hist = torch.zeros(rows * slots, dtype=torch.float64, device=device)
+        hist.index_add_(0, index.view(-1), mass)
+        cum = hist.view(rows, slots).cumsum(dim=1)  # [R, slots] running mass at each slot's end
+        dropped = (cum.float() <= threshold).sum(dim=1)  # [R] slots dropped as a whole
+        if shift + b == 31:  # the first level: nothing is above, so all dropped means not crossed
+            crossed = dropped < slots
+        value = (dropped - 1).clamp(0, (1 << b) - 1)  # [R] the crossing bin
+        below = cum.gather(1, value[:, None])[:, 0]  # slots up to the bin's own: everything below it
+        prefix = (prefix << b) + value.int()[:, None]
+    boundary = torch.where(crossed[:, None], prefix, bits.amax(dim=1, keepdim=True))  # [R, 1]
     # Among the tokens equal to the boundary, HF drops the lowest indices while the running sum stays
-    # <= 1 - top_p: `dropped` of them (always fewer than all: the largest is kept).
-    equal = bits == boundary[:, None]  # [R, V]
+    # <= 1 - top_p: `drop` of them (always fewer than all: the largest is kept).
+    equal = bits == boundary  # [R, V]
     rank = equal.cumsum(dim=1)  # [R, V] 1-based rank of each tied token by index
     count = rank[:, -1]  # [R]
-    tau = boundary.view(torch.float32).double()
-    steps = ((threshold.double() - below) / tau).floor().clamp(min=0)
-    steps = torch.minimum(steps, (count - 1).double())
+    tau = boundary[:, 0].view(torch.float32).double()
+    limit = threshold[:, 0]
+    drop = ((limit.double() - below) / tau).floor().clamp(min=0)
+    drop = torch.minimum(drop, (count - 1).double())
     # One step either way puts the float32-rounded running sum on the right side of the threshold.
-    up = ((below + (steps + 1) * tau).float() <= threshold) & (steps + 1 <= count - 1)
-    steps = steps + up.double()
-    down = ((below + steps * tau).float() > threshold) & (steps > 0)
-    dropped = torch.where(crossed, steps - down.double(), (count - 1).double()).long()  # [R]
-    return (bits > boundary[:, None]) | (equal & (rank > dropped[:, None]))
+    drop = drop + (((below + (drop + 1) * tau).float() <= limit) & (drop + 1 <= count - 1)).double()
+    drop = drop - (((below + drop * tau).float() > limit) & (drop > 0)).double()
+    drop = torch.where(crossed, drop, (count - 1).double()).long()  # [R]
+    return (bits > boundary) | (equal & (rank > drop[:, None]))
 
 
 def inverse_cdf(weights: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:

@@ -4,13 +4,17 @@
 #   scripts/accelerator_check.sh            # results in $OUT, or runs/accelerator when OUT is unset
 #
 # Installs nothing: run it where the repository's environment is installed (an activated venv, or
-# .venv/ in the checkout, which it activates). Steps, each under its own `timeout`, sized so the whole
-# check ends in under 8 minutes on one H200:
-#   1. the compiled-decoding tests on CUDA (DDTREE_TEST_DEVICE=cuda): padding changes no output, 50+
-#      compiled rounds never recompile and equal eager (greedy and seeded sampling), and the lossless
-#      G-test / chi-square on samples drawn through CUDA graphs;
-#   2. a short `ddtree bench --compile`: ar / dflash / ddtree at budgets 8-256, T = 0 and 1, 4 prompts,
-#      eager and compiled side by side (results.json, results.md, plots).
+# .venv/ in the checkout, which it activates; with neither, PYTHONPATH=. and the machine's python). Steps,
+# each under its own `timeout`, sized so the whole check ends in under 8 minutes on one H200:
+#   1. the lossless tests on CUDA (DDTREE_TEST_DEVICE=cuda): padding changes no output, 50+ compiled
+#      rounds never recompile and equal eager (greedy and seeded sampling), the G-test / chi-square on
+#      samples drawn through CUDA graphs, and at most two host reads in a round of 16 rows;
+#   2. the syncs CUDA reports in one round of 16 rows (torch.cuda.set_sync_debug_mode), greedy / sampled /
+#      mixed (syncs.json);
+#   3. a short `ddtree bench --compile --concurrency 1,16`: ar / dflash / ddtree at budgets 8-256, T = 0 and
+#      1, eager and compiled side by side (results.json, results.md, plots);
+#   4. the verify forward's cost curve of a random-weight Qwen3-8B-shaped target in bf16: milliseconds
+#      against tokens verified (1, 17, 65, 257 per row) at batch 1 and 16 (verify_cost.jsonl).
 # Exit code: 0 when every step passed; 2 without CUDA; else the first failing step's code (3: the bench's
 # T = 0 check found a compiled or speculative output differing from plain decoding; 124: a timeout).
 set -euo pipefail
@@ -22,8 +26,11 @@ if [[ -z "${VIRTUAL_ENV:-}" && -f .venv/bin/activate ]]; then
 fi
 PYTHON="${PYTHON:-python}"
 OUT_DIR="${OUT:-runs/accelerator}"
-TEST_TIMEOUT="${TEST_TIMEOUT:-240}"   # seconds for step 1
-BENCH_TIMEOUT="${BENCH_TIMEOUT:-210}" # seconds for step 2
+export PYTHONPATH="${PYTHONPATH:-.}"
+TEST_TIMEOUT="${TEST_TIMEOUT:-180}"   # seconds for step 1
+SYNC_TIMEOUT="${SYNC_TIMEOUT:-60}"    # seconds for step 2
+BENCH_TIMEOUT="${BENCH_TIMEOUT:-150}" # seconds for step 3
+COST_TIMEOUT="${COST_TIMEOUT:-90}"    # seconds for step 4
 # Node buckets: exactly the tree sizes the bench asks for (ar 1, budget B: B + 1, dflash: 17 with the
 # built-in block of 16), so the compiled engine captures 5 verify shapes instead of the 10 of the ladder.
 NODE_BUCKETS="${NODE_BUCKETS:-1,9,17,65,257}"
@@ -52,19 +59,26 @@ run_step() {
     fi
 }
 
-echo "accelerator_check: [1/2] compiled-decoding tests on CUDA (timeout ${TEST_TIMEOUT}s) -> $OUT_DIR/tests.log"
+echo "accelerator_check: [1/4] lossless tests on CUDA (timeout ${TEST_TIMEOUT}s) -> $OUT_DIR/tests.log"
 DDTREE_TEST_DEVICE=cuda run_step tests "$TEST_TIMEOUT" "$OUT_DIR/tests.log" \
-    "$PYTHON" -m pytest -q -x -rP tests/test_capture.py \
+    "$PYTHON" -m pytest -q -x -rP -p no:cacheprovider tests/test_host_syncs.py tests/test_capture.py \
     "tests/test_sampling_lossless.py::test_compiled_samples_follow_target_distribution"
 
-echo "accelerator_check: [2/2] bench, eager vs compiled (timeout ${BENCH_TIMEOUT}s) -> $OUT_DIR/bench.log"
+echo "accelerator_check: [2/4] syncs per round (timeout ${SYNC_TIMEOUT}s) -> $OUT_DIR/syncs.json"
+run_step syncs "$SYNC_TIMEOUT" "$OUT_DIR/syncs.json" "$PYTHON" scripts/device_round.py syncs --device cuda
+
+echo "accelerator_check: [3/4] bench, eager vs compiled (timeout ${BENCH_TIMEOUT}s) -> $OUT_DIR/bench.log"
 run_step bench "$BENCH_TIMEOUT" "$OUT_DIR/bench.log" \
     "$PYTHON" -m ddtree bench --device cuda --compile --node-buckets "$NODE_BUCKETS" \
     --methods ar,dflash,ddtree --budgets 8,16,64,256 --temperatures 0,1 --num-prompts 4 \
-    --max-new-tokens 64 --repeats 1 --tree-vocab 0 --no-progress --out "$OUT_DIR"
+    --concurrency 1,16 --max-new-tokens 64 --repeats 1 --tree-vocab 0 --no-progress --out "$OUT_DIR"
+
+echo "accelerator_check: [4/4] verify cost curve, Qwen3-8B shapes (timeout ${COST_TIMEOUT}s) -> $OUT_DIR/verify_cost.jsonl"
+run_step verify-cost "$COST_TIMEOUT" "$OUT_DIR/verify_cost.jsonl" \
+    "$PYTHON" scripts/device_round.py verify-cost --device cuda
 
 echo "accelerator_check: done in $((SECONDS - started)) s, exit $status; results in $OUT_DIR:"
-for name in results.json results.md tests.log bench.log; do
+for name in results.json results.md tests.log syncs.json bench.log verify_cost.jsonl; do
     [[ -e "$OUT_DIR/$name" ]] && echo "  $OUT_DIR/$name"
 done
 exit "$status"

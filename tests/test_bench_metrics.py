@@ -84,6 +84,7 @@ def test_stage_breakdown_per_round_fractions_and_overhead():
     assert got["stage_seconds_per_round"] == {**{k: v / 4 for k, v in stages.items()}, "other": 0.0}
     assert got["stage_fractions"]["verify"] == 0.5 and got["stage_fractions"]["other"] == 0.0
     assert got["overhead_fraction"] == 0.25  # 1 - (draft + verify) = tree + inputs + commit + other
+    assert got["host_seconds_per_round"] == 0.0625  # (1.0 - 0.75) / 4 rounds
     two = stage_breakdown([rec(acc=(1,), decode_seconds=2.0, stages=dict.fromkeys(stages, 0.25))] * 2)
     assert two["stage_fractions"]["other"] == pytest.approx(0.375)  # (4 - 5 * 0.5) / 4
     assert stage_breakdown([rec("hf", stages=None)]) is None  # HF has no stage timers

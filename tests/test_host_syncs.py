@@ -3,10 +3,14 @@
 On an accelerator every device->host read is a sync that idles the device; on the CPU the same calls are
 what would sync. They are counted with a ``TorchFunctionMode`` over the calls that read a tensor on the
 host (``tolist``, ``item``, ``cpu``, ``numpy`` and Python's ``bool`` / ``int`` / ``float`` / ``index`` of a
-tensor) during one round of 16 rows.
+tensor) during one round of 16 rows. ``DDTREE_TEST_DEVICE=cuda`` runs the engine on CUDA
+(``scripts/accelerator_check.sh`` also counts the syncs CUDA itself reports, with
+``torch.cuda.set_sync_debug_mode``).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -48,10 +52,14 @@ SAMPLED = [
 ]
 
 
+DEVICE = os.environ.get("DDTREE_TEST_DEVICE", "cpu")
+
+
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     target = tiny_target()
-    return Engine(target, tiny_drafter(target), max_num_seqs=16, budget=16)
+    drafter = tiny_drafter(target)
+    return Engine(target.to(DEVICE), drafter.to(DEVICE), max_num_seqs=16, budget=16)
 
 
 def reads_in_one_round(engine: Engine, params: list[SamplingParams], methods: list[str]) -> list[str]:

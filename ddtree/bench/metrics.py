@@ -54,6 +54,9 @@ DEFINITIONS = {
     "1 - (draft + verify) / decode_seconds: tree + inputs + accept + commit + other. When the engine "
     "times no separate 'accept' stage (verify_includes_acceptance true), 'verify' also covers the "
     "acceptance step and this is a lower bound on the true overhead.",
+    "host_seconds_per_round": "a round's wall time minus its two forwards (draft and verify stages), per "
+    "round: tree build, verify inputs, acceptance (with the LM head) and commit, i.e. the work the host "
+    "prepares or waits for around the forwards.",
     "acceptance_histogram": "number of rounds that committed k tokens, over all rounds of all responses "
     "of the configuration (pooled); fractions divide by the number of rounds.",
     "peak_memory": "CUDA: max over responses of torch.cuda.max_memory_allocated() (reset before each "
@@ -145,6 +148,7 @@ def stage_breakdown(records: list[dict]) -> dict | None:
         "stage_seconds_per_round": {s: v / rounds for s, v in totals.items()},
         "stage_fractions": {s: v / decode for s, v in totals.items()},
         "overhead_fraction": 1.0 - forwards / decode,
+        "host_seconds_per_round": (decode - forwards) / rounds,  # the round's wall time minus its forwards
         "verify_includes_acceptance": "accept" not in totals,
     }
 

@@ -138,17 +138,19 @@ def _stage_table(rows: list[dict]) -> list[str]:
     )
     out = [
         "",
-        f"Per round: ms per stage (share of decode time); overhead: outside the forwards{caveat}.",
+        f"Per round: ms per stage (share of decode time); overhead: outside the forwards{caveat}; host ms "
+        "per round: the round's wall time minus its two forwards.",
         "",
-        "| config | rounds | " + " | ".join(names) + " | overhead |",
-        "|---|--:|" + "--:|" * (len(names) + 1),
+        "| config | rounds | " + " | ".join(names) + " | overhead | host ms per round |",
+        "|---|--:|" + "--:|" * (len(names) + 2),
     ]
     for r in rows:
         s = r["stages"]
         per_round, share = s["stage_seconds_per_round"], s["stage_fractions"]
         cells = [f"{per_round.get(k, 0.0) * 1e3:.3f} ({share.get(k, 0.0):.0%})" for k in names]
         out.append(
-            f"| {r['label']} | {s['rounds']} | " + " | ".join(cells) + f" | {s['overhead_fraction']:.0%} |"
+            f"| {r['label']} | {s['rounds']} | " + " | ".join(cells) + f" | {s['overhead_fraction']:.0%} "
+            f"| {s['host_seconds_per_round'] * 1e3:.2f} |"
         )
     return out
 

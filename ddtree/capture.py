@@ -105,26 +105,30 @@ class StaticInputs:
         self._buffers: dict[tuple, torch.Tensor] = {}
 
     def put(self, name: str, array: np.ndarray | torch.Tensor) -> torch.Tensor:
-        src = torch.from_numpy(np.ascontiguousarray(array)) if isinstance(array, np.ndarray) else array
+        src = self.host(array)  # [shape of the array]
         key = (name, tuple(src.shape), src.dtype)
         buf = self._buffers.get(key)
         if buf is None:
             buf = self._buffers[key] = torch.empty(src.shape, dtype=src.dtype, device=self.device)
             if self.static:
                 torch._dynamo.mark_static_address(buf)
-        return buf.copy_(src)
+        return buf.copy_(src, non_blocking=True)
+
+    def host(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """A host array as a tensor to upload: on CUDA copied into pinned memory from torch's caching host
+        allocator (which keeps a block until the copies reading it have run), so the upload is
+        asynchronous; device tensors pass through."""
+        if isinstance(array, torch.Tensor):
+            return array
+        src = torch.from_numpy(np.ascontiguousarray(array))
+        return src.pin_memory() if self.device.type == "cuda" else src
 
     def load(self, persistent: bool, **arrays: np.ndarray | torch.Tensor) -> list[torch.Tensor]:
         """The arrays on the device, in order: refilled into their persistent buffers, or fresh tensors
         (shapes that vary round to round gain nothing from a buffer kept per shape)."""
         if persistent:
             return [self.put(name, x) for name, x in arrays.items()]
-        return [
-            x.to(self.device)
-            if isinstance(x, torch.Tensor)
-            else torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
-            for x in arrays.values()
-        ]
+        return [self.host(x).to(self.device, non_blocking=True) for x in arrays.values()]
 
 
 def compile_forward(fn: Callable, device: torch.device, num_shapes: int) -> Callable:

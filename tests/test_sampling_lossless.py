@@ -163,13 +163,17 @@ def draw(engine: Engine, method: str, params: SamplingParams, samples: int, seed
     counted: dict[str, list[int]] = {}
     accept = Verifier.accept
 
-    def spy(self, rows, trees, greedy_heads, sampled, retrieves, probs):
-        verdicts = accept(self, rows, trees, greedy_heads, sampled, retrieves, probs)
-        for i in sampled:
-            if rows[i].request_id in counted and trees[i].num_nodes > 1:
-                first_child, parents = retrieves[i].next_token.tolist(), trees[i].parents.tolist()
-                draws.side_branch_rounds += any(first_child[parents[x]] != x for x in verdicts[i][0][1:])
-        return verdicts
+    def spy(self, rows, trees, hidden):
+        accepted = accept(self, rows, trees, hidden)
+        for i, r in enumerate(rows):
+            if not r.params.greedy and r.request_id in counted and trees.sizes[i] > 1:
+                parents = trees.row(i).parents.tolist()
+                first_child = {}  # in pop order a node's first child is its most probable one
+                for x, p in enumerate(parents):
+                    first_child.setdefault(p, x)
+                path = accepted.path[i, : int(accepted.lengths[i])].tolist()
+                draws.side_branch_rounds += any(first_child[parents[x]] != x for x in path[1:])
+        return accepted
 
     companions = itertools.cycle(
         [

@@ -598,3 +598,51 @@ def test_sort_free_filters_equal_the_full_sort(vocab):
         got = filtered_probs(logits, SamplingTensors.from_params(params))
         want = filtered_probs_reference(logits, SamplingTensors.from_params(params))
         assert (got - want).abs().max() <= 1e-6, (seed, params)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=0.8, top_k=20),
+        SamplingParams(temperature=1.0, min_p=0.05),
+        SamplingParams(temperature=0.7, top_k=50, top_p=0.95, min_p=0.02),
+    ],
+)
+def test_batched_tree_sampling_emits_the_filtered_target_at_a_vocabulary_of_a_thousand(params):
+    """The first and second emitted tokens of 20,000 independent walks over one tree (V = 1,000, the target's
+    filters on) follow the filtered target: a G-test on the first token, and on the second given the most
+    frequent first token (counts of tokens under 1% of the mass pooled)."""
+    from scipy.stats import power_divergence
+
+    vocab, rows = 1000, 20000
+    gen = torch.Generator().manual_seed(7)
+    draft = torch.randn(1, 3, vocab, generator=gen) * 3
+    vals, ids = draft_candidates(draft, 8)
+    one = build_tree_batch(
+        vals, ids, torch.tensor([0]), TreeSpec(np.array([8]), np.array([8]), np.array([3]))
+    )
+    n = one.tokens.shape[1]
+    logits = torch.randn(1, n, vocab, generator=gen) * 3
+    logits[0, :, one.tokens[0, 1:]] += 7.0  # drafted tokens likely: walks go deep
+    probs = filtered_probs(logits, SamplingTensors.from_params([params]))  # [1, N, V]
+    trees = one.select([0] * rows)
+    out = sample_tree_batch(trees, probs.expand(rows, -1, -1), torch.rand(rows, n, generator=gen),
+                            torch.rand(rows, generator=gen))  # fmt: skip
+
+    def g_test(observed: torch.Tensor, law: torch.Tensor) -> float:
+        law = law.double() / law.double().sum()
+        big = law >= 0.01
+        obs = torch.cat((observed[big], observed[~big].sum()[None])).double()
+        exp = torch.cat((law[big], law[~big].sum()[None])) * observed.sum()
+        keep = exp > 0
+        assert obs[~keep].sum() == 0  # nothing emitted where the law has no mass
+        return power_divergence(obs[keep], exp[keep], lambda_="log-likelihood").pvalue
+
+    first = out.tokens[:, 0]
+    assert g_test(torch.bincount(first, minlength=vocab), probs[0, 0]) > 1e-3
+    top = int(torch.bincount(first, minlength=vocab).argmax())
+    child = [j for j in range(1, n) if int(one.parents[0, j]) == 0 and int(one.tokens[0, j]) == top]
+    if child:  # the second token after an accepted draft follows that node's row
+        second = out.tokens[(first == top) & (out.lengths > 1), 1]
+        assert g_test(torch.bincount(second, minlength=vocab), probs[0, child[0]]) > 1e-3

@@ -128,7 +128,11 @@ class StaticInputs:
         (shapes that vary round to round gain nothing from a buffer kept per shape)."""
         if persistent:
             return [self.put(name, x) for name, x in arrays.items()]
-        return [self.host(x).to(self.device, non_blocking=True) for x in arrays.values()]
+        return [self.upload(x) for x in arrays.values()]
+
+    def upload(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """A fresh device tensor of ``array`` (asynchronous from pinned memory on CUDA)."""
+        return self.host(array).to(self.device, non_blocking=True)
 
 
 def compile_forward(fn: Callable, device: torch.device, num_shapes: int) -> Callable:

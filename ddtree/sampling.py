@@ -74,8 +74,8 @@ def filtered_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Ten
     row, so a request's distribution is the same alone or in any batch.
 
     Nothing sorts the vocabulary: top-k is a partial top-k (``top_k_rows``), top-p finds the nucleus'
-    boundary with two mass histograms (``nucleus_mask``), min-p is one max; the result renormalises the
-    kept probabilities (HF's final softmax, up to rounding).
+    boundary with mass histograms over the probabilities' bits (``nucleus_mask``), min-p is one max; the
+    kept scores go through HF's final softmax.
     """
     scores = logits.float() / sampling.temperature[:, None, None]  # [B, N, V]
     b, n, vocab = scores.shape
@@ -90,12 +90,19 @@ def filtered_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Ten
         return probs
     if sampling.any_top_p:  # rows with top_p = 1 keep every token with mass (nothing is <= 0 but zeros)
         top_p = sampling.top_p[:, None].expand(b, n).reshape(-1)  # [B * N]
-        keep = nucleus_mask(probs.view(b * n, vocab), top_p).view(b, n, vocab)
+        rows = max(1, NUCLEUS_CHUNK_ENTRIES // vocab)  # row chunks bound the histograms' scratch memory
+        flat = probs.view(b * n, vocab)
+        keep = torch.cat(
+            [nucleus_mask(flat[i : i + rows], top_p[i : i + rows]) for i in range(0, b * n, rows)]
+        ).view(b, n, vocab)
         probs = torch.where(keep, probs, 0.0)  # the min-p floor is relative: no renormalising needed
     if sampling.any_min_p:
         floor = sampling.min_p[:, None, None] * probs.amax(dim=-1, keepdim=True)  # [B, N, 1]
         keep = probs >= floor if not sampling.any_top_p else keep & (probs >= floor)
     return scores.masked_fill(~keep, float("-inf")).softmax(dim=-1)  # HF's final softmax
+
+
+NUCLEUS_CHUNK_ENTRIES = 1 << 24  # entries per nucleus_mask call: ~0.3 GB of scratch (int32 + float64)
 
 
 def nucleus_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -171,18 +178,14 @@ def inverse_cdf(weights: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
     return torch.where(hit.any(dim=-1), first, torch.where(positive.any(dim=-1), last, -1))
 
 
-def sample_rows(probs: torch.Tensor, coins: torch.Tensor) -> list[int]:
-    """Plain autoregressive sampling of each row of probs [B, V] with its coin [B] by inverse CDF, with the
-    bonus draw's exact rule."""
-    tokens = inverse_cdf(probs.float(), coins.float().to(probs.device)).tolist()  # [B]
-    if min(tokens) < 0:
-        raise ValueError("probs has no positive mass")
-    return tokens
-
-
 def sample_from_probs(probs: torch.Tensor, coin: float | torch.Tensor) -> int:
-    """``sample_rows`` for one distribution probs [V] and one coin."""
-    return sample_rows(probs.reshape(1, -1), torch.as_tensor(coin, dtype=torch.float32).reshape(1))[0]
+    """Plain sampling of one distribution probs [V] with one coin by inverse CDF, with the bonus draw's
+    exact rule."""
+    coins = torch.as_tensor(coin, dtype=torch.float32).reshape(1).to(probs.device)
+    token = int(inverse_cdf(probs.float().reshape(1, -1), coins)[0])
+    if token < 0:
+        raise ValueError("probs has no positive mass")
+    return token
 
 
 def tree_speculative_sampling_target_only(
@@ -282,7 +285,6 @@ def sample_tree_batch(
     ``final_coins`` [B] each row's bonus coin. Siblings are tried in node order: in pop order a node's
     children come most probable first, ties by index, which is ``compile_ddtree_retrieve``'s order.
     """
-    threshold_single, threshold_acc = check_accept_thresholds(threshold_single, threshold_acc)
     b, n = trees.tokens.shape
     device = trees.tokens.device
     # Each node's rank among its siblings (earlier real nodes with the same parent), then the table.
@@ -328,16 +330,18 @@ def _walk_tree(
     lengths = torch.ones(b, dtype=torch.int64, device=device)
     ranks = torch.arange(children.shape[2], device=device)
 
-    def tried_children() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """At every row's current node: its children [B, C], their tokens and their target probs."""
+    def tried_children() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """At every row's current node: its children [B, C], whether each exists, their tokens and their
+        target probs."""
         ch = children[rows, cur]  # [B, C]
         has = ch >= 0
         tokens = torch.where(has, candidates.gather(1, ch.clamp(min=0)), 0)  # [B, C]
         p = torch.where(has, flat.gather(1, cur[:, None] * vocab + tokens), 0.0)  # [B, C] float32
-        return has, tokens, p
+        return ch, has, tokens, p
 
+    cells, masses = [], []  # rejected children: their cells in draft_probs and their target mass
     for t in range(1, steps):
-        has, tokens, p = tried_children()
+        ch, has, tokens, p = tried_children()
         running = p.double().cumsum(dim=1).float()  # [B, C]
         coin = coins.gather(1, cur[:, None])  # [B, 1]
         hit = has & (p > 0) & ((coin < running / acc_scale) | (p >= threshold_single)) & alive[:, None]
@@ -345,18 +349,20 @@ def _walk_tree(
         first = hit.int().argmax(dim=1)  # [B] the accepted child's rank
         if draft_probs is not None:  # children before the accepted one (all, when none is) were rejected
             rejected = has & alive[:, None] & (ranks[None] < torch.where(take, first, ranks.numel())[:, None])
-            cells = (rows[:, None] * n + cur[:, None]) * vocab + tokens  # [B, C] in draft_probs.view(-1)
-            cells = torch.where(rejected, cells, b * n * vocab)
-            scratch = torch.cat((draft_probs.view(-1), draft_probs.new_zeros(1)))
-            scratch.scatter_(0, cells.view(-1), torch.where(rejected, p, 0.0).view(-1))
-            draft_probs.view(-1).copy_(scratch[:-1])
-        nxt = children[rows, cur].gather(1, first[:, None])[:, 0]
+            cell = (rows[:, None] * n + cur[:, None]) * vocab + tokens  # [B, C] in draft_probs.view(-1)
+            cells.append(torch.where(rejected, cell, b * n * vocab))  # the rest: one slot past the end
+            masses.append(torch.where(rejected, p, 0.0))
+        nxt = ch.gather(1, first[:, None])[:, 0]
         cur = torch.where(take, nxt, cur)
         path[:, t] = torch.where(take, nxt, 0)
         lengths += take
         alive = take
+    if cells:  # every (row, node, token) is rejected at most once: one scatter for the whole walk
+        scratch = torch.cat((draft_probs.view(-1), draft_probs.new_zeros(1)))
+        scratch.scatter_(0, torch.cat(cells, dim=1).view(-1), torch.cat(masses, dim=1).view(-1))
+        draft_probs.view(-1).copy_(scratch[:-1])
     # The bonus: the last node's row, less its rejected children unless the walk used every step.
-    has, tokens, p = tried_children()
+    _, has, tokens, p = tried_children()
     stopped = lengths < steps  # [B]
     q = probs[rows, cur]  # [B, V]
     if draft_probs is not None:

@@ -33,10 +33,6 @@ class DraftTree:
     def num_nodes(self) -> int:
         return self.tokens.numel()
 
-    def prefix(self, n: int) -> DraftTree:
-        """The first ``n`` nodes in pop order: a tree too, since parents come before their children."""
-        return DraftTree(self.tokens[:n], self.depths[:n], self.parents[:n], self.logw[:n])
-
     @classmethod
     def root_only(cls, root_token: int) -> DraftTree:
         """The tree plain autoregressive decoding verifies: nothing drafted, only the bonus token."""
@@ -57,19 +53,15 @@ def build_ddtree_tree(
     """
     if draft_logits.dim() != 2 or draft_logits.shape[1] < 1:
         raise DDTreeError(f"draft_logits must be [L, V] with V >= 1, got shape {tuple(draft_logits.shape)}")
-    check_tree_options(budget, topk)
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise DDTreeError(f"tree budget must be an integer >= 1, got {budget!r}")
+    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
+        raise DDTreeError(f"tree topk must be an integer >= 1 or None, got {topk!r}")
     k = min(budget if topk is None else topk, budget, draft_logits.shape[1])
     vals, ids = draft_candidates(draft_logits, k)  # [L, k] each
     # One device->host transfer for both: the float32 values travel as their int32 bit patterns.
     host = torch.stack((vals.view(torch.int32), ids.int())).cpu()  # [2, L, k]
     return best_first_tree(host[0].view(torch.float32).tolist(), host[1].tolist(), budget, root_token)
-
-
-def check_tree_options(budget: int, topk: int | None) -> None:
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise DDTreeError(f"tree budget must be an integer >= 1, got {budget!r}")
-    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
-        raise DDTreeError(f"tree topk must be an integer >= 1 or None, got {topk!r}")
 
 
 def draft_candidates(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,18 +166,22 @@ class TreeBatch:
     depth: int  # the deepest node of the batch (host)
     branching: int = 1  # the most children a node may have (host)
 
-    @property
+    @functools.cached_property
     def valid(self) -> torch.Tensor:
-        """[B, N] bool: real nodes."""
+        """[B, N] bool: real nodes (computed once; every stage of the round reads it)."""
         n = self.tokens.shape[1]
-        sizes = torch.from_numpy(self.sizes).to(self.tokens.device)
+        sizes = torch.from_numpy(self.sizes).to(self.tokens.device, non_blocking=True)
         return torch.arange(n, device=self.tokens.device)[None] < sizes[:, None]
 
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The per-node fields, in ``DraftTree``'s order: tokens, depths, parents, logw."""
+        return self.tokens, self.depths, self.parents, self.logw
+
     def row(self, b: int) -> DraftTree:
-        """Row b as a ``DraftTree`` on the host (tests, and the auto budget's choice)."""
+        """Row b as a ``DraftTree`` on the host (tests)."""
         m = int(self.sizes[b])
-        fields = (self.tokens, self.depths, self.parents, self.logw)
-        return DraftTree(*(x[b, :m].cpu() for x in fields))
+        return DraftTree(*(x[b, :m].cpu() for x in self.tensors))
 
     @classmethod
     def root_only(cls, roots: torch.Tensor) -> TreeBatch:
@@ -197,21 +193,12 @@ class TreeBatch:
     def select(self, rows: list[int]) -> TreeBatch:
         """The trees of these rows (host indices), same width and depth bound."""
         at = torch.tensor(rows, device=self.tokens.device)
-        fields = (self.tokens, self.depths, self.parents, self.logw)
-        return TreeBatch(*(x[at] for x in fields), self.sizes[rows], self.depth, self.branching)
+        return TreeBatch(*(x[at] for x in self.tensors), self.sizes[rows], self.depth, self.branching)
 
     def cut(self, sizes: np.ndarray) -> TreeBatch:
         """The same trees cut to ``sizes`` nodes (prefixes of pop order are trees)."""
         n = int(sizes.max(initial=1))
-        return TreeBatch(
-            self.tokens[:, :n],
-            self.depths[:, :n],
-            self.parents[:, :n],
-            self.logw[:, :n],
-            sizes,
-            min(self.depth, n - 1),
-            self.branching,
-        )
+        return TreeBatch(*(x[:, :n] for x in self.tensors), sizes, min(self.depth, n - 1), self.branching)
 
 
 def build_tree_batch(vals: torch.Tensor, ids: torch.Tensor, roots: torch.Tensor, spec: TreeSpec) -> TreeBatch:
@@ -235,13 +222,13 @@ def build_tree_batch(vals: torch.Tensor, ids: torch.Tensor, roots: torch.Tensor,
     n = int(sizes.max())
     if n == 1:
         return TreeBatch.root_only(roots)
-    pp, pr = (torch.from_numpy(x).to(device) for x in _beam_pairs(width, k))  # [P] each
+    pp, pr = _beam_pairs_on(width, k, device)  # [P] each
     topks = torch.from_numpy(spec.topks).to(device)[:, None]  # [B, 1]
     depths = torch.from_numpy(spec.depths).to(device)[:, None]  # [B, 1]
     vals64 = vals.double()
     score = torch.zeros(b, 1, dtype=torch.float64, device=device)  # the root's
     valid = torch.ones(b, 1, dtype=torch.bool, device=device)
-    levels = []  # per depth: score, valid, parent slot, token, rank [B, W_d]
+    levels = []  # per depth: score, valid, parent slot, token [B, W_d]
     nan = torch.tensor(float("nan"), dtype=torch.float64, device=device)
     for d in range(depth_max):
         keep = pp < score.shape[1]  # pairs whose parent slot exists at this depth
@@ -269,7 +256,10 @@ def build_tree_batch(vals: torch.Tensor, ids: torch.Tensor, roots: torch.Tensor,
             start += width_prev
         tokens.append(token)
         depth_of.append(torch.full_like(slot, d + 1))
-    pick = lambda parts: torch.cat(parts, dim=1).gather(1, order)  # noqa: E731
+
+    def pick(parts: list[torch.Tensor]) -> torch.Tensor:  # level entries -> the tree's nodes [B, n - 1]
+        return torch.cat(parts, dim=1).gather(1, order)
+
     padding = torch.arange(1, n, device=device)[None] >= torch.from_numpy(sizes).to(device)[:, None]
     node_tokens = pick(tokens).masked_fill(padding, 0)
     node_depths = pick(depth_of).masked_fill(padding, 0)
@@ -294,6 +284,12 @@ def _beam_pairs(width: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     pairs = [(p, r) for r in range(min(k, width)) for p in range(width // (r + 1))]
     pp, pr = np.array(pairs, dtype=np.int64).T
     return pp, pr
+
+
+@functools.cache
+def _beam_pairs_on(width: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_beam_pairs`` on the device, uploaded once per (width, k)."""
+    return tuple(torch.from_numpy(x).to(device) for x in _beam_pairs(width, k))
 
 
 @dataclass

@@ -15,6 +15,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+import ddtree.sampling as sampling_module
 from ddtree.errors import DDTreeError
 from ddtree.params import SamplingParams
 from ddtree.sampling import (
@@ -577,10 +578,14 @@ def _logits_of_kind(kind: str, shape: tuple[int, ...], gen: torch.Generator) -> 
     return x.bfloat16().float() if kind == "bf16" else x
 
 
+@pytest.mark.parametrize("chunk", [None, 3000])
 @pytest.mark.parametrize("vocab", [7, 1000, 4096])
-def test_sort_free_filters_equal_the_full_sort(vocab):
+def test_sort_free_filters_equal_the_full_sort(vocab, chunk, monkeypatch):
     """Top-k, top-p and min-p without sorting the vocabulary equal the full-sort implementation (max abs
-    difference <= 1e-6) on random, tied (few distinct logits), flat, peaked and bf16-rounded logits."""
+    difference <= 1e-6) on random, tied (few distinct logits), flat, peaked and bf16-rounded logits; also
+    with the nucleus computed a few rows at a time (``chunk`` entries per call)."""
+    if chunk is not None:
+        monkeypatch.setattr(sampling_module, "NUCLEUS_CHUNK_ENTRIES", chunk)
     for seed in range(60):
         rng = random.Random(seed)
         gen = torch.Generator().manual_seed(seed)

@@ -148,7 +148,6 @@ class Proposer:
         round), the argmax chain (``dflash``: branching 1) or the best-first tree (``ddtree``; with budget
         "auto", of up to ``auto_max_budget`` candidates). ``logits`` [D, depth, V] are the ``drafting``
         rows' draft logits."""
-        device = self.runner.device
         b = len(rows)
         spec = TreeSpec(*(np.zeros(b, dtype=np.int64) for _ in range(3)))
         drafted = {id(r): i for i, r in enumerate(drafting)}
@@ -164,7 +163,7 @@ class Proposer:
                 budget = min(self.budget(r), room)
                 k = budget if r.topk is None else r.topk
                 spec.budgets[i], spec.topks[i], spec.depths[i] = budget, min(k, budget, vocab), depth
-        roots = torch.tensor([r.root for r in rows], dtype=torch.int64).to(device, non_blocking=True)
+        roots = self.runner.inputs.upload(np.array([r.root for r in rows], dtype=np.int64))  # [B]
         if logits is None or not spec.budgets.any():
             return TreeBatch.root_only(roots)
         if self.sampling_aware_trees:
@@ -172,7 +171,7 @@ class Proposer:
         k = int(spec.topks.max())
         vals, ids = draft_candidates(logits, k)  # [D, depth, K] each
         if len(drafting) < b:  # rows that do not draft this round get candidates they never read
-            at = torch.tensor([drafted.get(id(r), 0) for r in rows], device=device)
+            at = self.runner.inputs.upload(np.array([drafted.get(id(r), 0) for r in rows]))
             vals, ids = vals[at], ids[at]
         return build_tree_batch(vals, ids, roots, spec)
 

@@ -97,7 +97,7 @@ class Verifier:
             bp, np_ = b, n
         all_starts = np.ones(bp, dtype=np.int64)  # a dummy row sees column 0 (a masked-out row is NaN)
         all_starts[:b] = starts
-        starts_t = torch.from_numpy(all_starts).to(device, non_blocking=True)  # [Bp]
+        starts_t = self.runner.inputs.upload(all_starts)  # [Bp]
         ids = torch.zeros(bp, np_, dtype=torch.int64, device=device)
         positions = starts_t[:, None].repeat(1, np_)  # [Bp, Np]; padding sits at the root's position
         cols = torch.full((bp, np_), self.runner.cache.scratch, dtype=torch.int64, device=device)
@@ -180,8 +180,7 @@ class Verifier:
         the host in one copy, write each row's tokens and advance it (the engine releases the rows that
         finished). Returns the deltas and the verdicts."""
         b, steps = accepted.path.shape
-        device = accepted.path.device
-        starts = torch.tensor([r.start for r in rows], dtype=torch.int64).to(device, non_blocking=True)
+        starts = self.runner.inputs.upload(np.array([r.start for r in rows], dtype=np.int64))  # [B]
         pack_accepted(self.runner.cache, tables[:b], starts, accepted.path, accepted.lengths)
         kept = None
         if features is not None and any(r.drafts for r in rows):  # [B, S, F * H], a fresh tensor

@@ -222,49 +222,39 @@ def build_tree_batch(vals: torch.Tensor, ids: torch.Tensor, roots: torch.Tensor,
     n = int(sizes.max())
     if n == 1:
         return TreeBatch.root_only(roots)
-    pp, pr = _beam_pairs_on(width, k, device)  # [P] each
-    topks = torch.from_numpy(spec.topks).to(device)[:, None]  # [B, 1]
-    depths = torch.from_numpy(spec.depths).to(device)[:, None]  # [B, 1]
+    # Branching allowed at each depth ([B, L]: a row's own cap, 0 past its depth), prepared on the host.
+    allowed = np.where(np.arange(depth_max)[None] < spec.depths[:, None], spec.topks[:, None], 0)
+    allowed = torch.from_numpy(allowed).to(device)
     vals64 = vals.double()
-    score = torch.zeros(b, 1, dtype=torch.float64, device=device)  # the root's
+    cost = torch.zeros(b, 1, dtype=torch.float64, device=device)  # -score; the root's is 0
     valid = torch.ones(b, 1, dtype=torch.bool, device=device)
-    levels = []  # per depth: score, valid, parent slot, token [B, W_d]
+    levels = []  # per depth: cost, valid, parent slot, token [B, W_d]
     nan = torch.tensor(float("nan"), dtype=torch.float64, device=device)
     for d in range(depth_max):
-        keep = pp < score.shape[1]  # pairs whose parent slot exists at this depth
-        p_d, r_d = pp[keep], pr[keep]  # [P_d]
-        cand = score[:, p_d] + vals64[:, d, r_d]  # [B, P_d]
-        ok = valid[:, p_d] & (r_d[None] < topks) & (d < depths)  # [B, P_d]
-        order = torch.where(ok, -cand, nan).sort(dim=1, stable=True).indices[:, :width]  # [B, W_d]
-        score, valid = cand.gather(1, order), ok.gather(1, order)
-        rank = r_d[order]
-        levels.append((score, valid, p_d[order], ids[:, d].gather(1, rank)))
-    scores = torch.cat([lv[0] for lv in levels], dim=1)  # [B, T] depth-major, each depth in pop order
+        p_d, r_d = _beam_pairs_on(width, k, cost.shape[1], device)  # [P_d] pairs whose parent slot exists
+        cand = cost.index_select(1, p_d) - vals64[:, d].index_select(1, r_d)  # [B, P_d] = -(score + logp)
+        ok = valid.index_select(1, p_d) & (r_d[None] < allowed[:, d : d + 1])  # [B, P_d]
+        order = torch.where(ok, cand, nan).sort(dim=1, stable=True).indices[:, :width]  # [B, W_d]
+        cost, valid = cand.gather(1, order), ok.gather(1, order)
+        rank = torch.take(r_d, order)
+        levels.append((cost, valid, torch.take(p_d, order), ids[:, d].gather(1, rank)))
+    costs = torch.cat([lv[0] for lv in levels], dim=1)  # [B, T] depth-major, each depth in pop order
     alive = torch.cat([lv[1] for lv in levels], dim=1)
-    order = torch.where(alive, -scores, nan).sort(dim=1, stable=True).indices[:, : n - 1]  # [B, n - 1]
+    order = torch.where(alive, costs, nan).sort(dim=1, stable=True).indices[:, : n - 1]  # [B, n - 1]
     # Global node index of every level entry (1 + its place in pop order; 0 if not in the tree).
-    node_of = torch.zeros_like(scores, dtype=torch.int64)
+    node_of = torch.zeros_like(costs, dtype=torch.int64)
     node_of.scatter_(1, order, torch.arange(1, n, device=device).expand(b, -1))
-    parents, tokens, depth_of = [], [], []
-    start = 0  # where the previous depth's entries begin in the concatenation
-    for d, (_, _, slot, token) in enumerate(levels):
-        if d == 0:
-            parents.append(torch.zeros_like(slot))  # the root
-        else:
-            width_prev = levels[d - 1][0].shape[1]
-            parents.append(node_of[:, start : start + width_prev].gather(1, slot))
-            start += width_prev
-        tokens.append(token)
-        depth_of.append(torch.full_like(slot, d + 1))
-
-    def pick(parts: list[torch.Tensor]) -> torch.Tensor:  # level entries -> the tree's nodes [B, n - 1]
-        return torch.cat(parts, dim=1).gather(1, order)
-
+    widths = [lv[0].shape[1] for lv in levels]
+    parents, start = [torch.zeros_like(levels[0][2])], 0  # depth 1's parent is the root
+    for (_, _, slot, _), width_prev in zip(levels[1:], widths, strict=False):
+        parents.append(node_of[:, start : start + width_prev].gather(1, slot))
+        start += width_prev
+    depth_of = torch.from_numpy(np.repeat(np.arange(1, depth_max + 1), widths)).to(device)  # [T]
     padding = torch.arange(1, n, device=device)[None] >= torch.from_numpy(sizes).to(device)[:, None]
-    node_tokens = pick(tokens).masked_fill(padding, 0)
-    node_depths = pick(depth_of).masked_fill(padding, 0)
-    node_parents = pick(parents).masked_fill(padding, 0)
-    node_logw = scores.gather(1, order).float().masked_fill(padding, 0.0)
+    node_tokens = torch.cat([lv[3] for lv in levels], dim=1).gather(1, order).masked_fill(padding, 0)
+    node_depths = torch.take(depth_of, order).masked_fill(padding, 0)
+    node_parents = torch.cat(parents, dim=1).gather(1, order).masked_fill(padding, 0)
+    node_logw = (-costs.gather(1, order)).float().masked_fill(padding, 0.0)
     root = torch.zeros(b, 1, dtype=torch.int64, device=device)
     return TreeBatch(
         tokens=torch.cat((roots[:, None].to(torch.int64), node_tokens), dim=1),
@@ -287,9 +277,12 @@ def _beam_pairs(width: int, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @functools.cache
-def _beam_pairs_on(width: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_beam_pairs`` on the device, uploaded once per (width, k)."""
-    return tuple(torch.from_numpy(x).to(device) for x in _beam_pairs(width, k))
+def _beam_pairs_on(width: int, k: int, slots: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``_beam_pairs`` whose parent slot is below ``slots`` (a depth's survivors), on the device: chosen
+    on the host (a boolean mask on the device would sync) and uploaded once per shape."""
+    pp, pr = _beam_pairs(width, k)
+    keep = pp < slots
+    return torch.from_numpy(pp[keep]).to(device), torch.from_numpy(pr[keep]).to(device)
 
 
 @dataclass

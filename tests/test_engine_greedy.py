@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import ddtree.engine.verifier as verifier_module
 from ddtree.commit import pack_accepted
 from ddtree.engine import Engine
 from ddtree.params import SamplingParams
@@ -52,6 +53,18 @@ def test_greedy_matches_plain_decoding(pair):
             assert result.finish_reason == "length"
             accepted_more_than_one += sum(n > 1 for n in result.stats.acceptance_lengths)
     assert accepted_more_than_one > 50  # the tree path was exercised, not just the bonus token
+
+
+def test_greedy_head_taken_in_chunks_matches_plain_decoding(pair, monkeypatch):
+    """The greedy acceptance's LM head, a few nodes per call (as at a real vocabulary), changes nothing."""
+    target, drafter = pair
+    monkeypatch.setattr(verifier_module, "ARGMAX_CHUNK_ENTRIES", 5 * target.config.vocab_size)  # 5 nodes
+    params = SamplingParams(max_new_tokens=NEW)
+    engine = Engine(target, drafter, budget=64, max_num_seqs=2)
+    results = engine.generate(PROMPTS[:2], params)
+    for prompt, result in zip(PROMPTS[:2], results, strict=True):
+        assert result.token_ids == hf_greedy(target, prompt, NEW)
+    assert any(n > 1 for r in results for n in r.stats.acceptance_lengths)
 
 
 @pytest.mark.parametrize("draft_dtype", [torch.float32, torch.bfloat16])

@@ -10,6 +10,7 @@ target with the rejected tokens removed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,8 +135,10 @@ def nucleus_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         b = min(width, shift)
         shift -= b
         slots = (1 << b) + 2  # slot 0: below the prefix' range, last: above it
-        index = torch.bitwise_right_shift(bits, shift) - (prefix << b)  # [R, V] bin within the range
-        index = index.clamp_(-1, 1 << b).add_(1 + row * slots)
+        if shift + b == 31:  # the first level: every entry is in range (``>>``: faster than the op)
+            index = (bits >> shift) + (1 + row * slots)  # [R, V] slot in the row's histogram
+        else:  # the entries outside the prefix' range go to the end slots
+            index = ((bits >> shift) - (prefix << b)).clamp_(-1, 1 << b).add_(1 + row * slots)
         hist = torch.zeros(rows * slots, dtype=torch.float64, device=device)
         hist.index_add_(0, index.view(-1), mass)
         cum = hist.view(rows, slots).cumsum(dim=1)  # [R, slots] running mass at each slot's end
@@ -149,7 +152,7 @@ def nucleus_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     # Among the tokens equal to the boundary, HF drops the lowest indices while the running sum stays
     # <= 1 - top_p: `drop` of them (always fewer than all: the largest is kept).
     equal = bits == boundary  # [R, V]
-    rank = equal.cumsum(dim=1)  # [R, V] 1-based rank of each tied token by index
+    rank = equal.int().cumsum(dim=1, dtype=torch.int32)  # [R, V] 1-based rank of each tied token by index
     count = rank[:, -1]  # [R]
     tau = boundary[:, 0].view(torch.float32).double()
     limit = threshold[:, 0]
@@ -159,7 +162,7 @@ def nucleus_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     drop = drop + (((below + (drop + 1) * tau).float() <= limit) & (drop + 1 <= count - 1)).double()
     drop = drop - (((below + drop * tau).float() > limit) & (drop > 0)).double()
     drop = torch.where(crossed, drop, (count - 1).double()).long()  # [R]
-    return (bits > boundary) | (equal & (rank > drop[:, None]))
+    return (bits > boundary) | (equal & (rank > drop.int()[:, None]))
 
 
 def inverse_cdf(weights: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
@@ -248,10 +251,11 @@ def tree_speculative_sampling_target_only(
         prev = ranks[-1]
         ranks.append(torch.where(prev >= 0, retrive_next_sibling.long().gather(1, prev.clamp(min=0)), -1))
     children = torch.stack(ranks, dim=2) if n > 1 else torch.full((bs, n, 1), -1, device=device)
+    rows = torch.arange(bs, device=device)
     walk = _walk_tree(
         children,
         candidates.long(),
-        target_probs,
+        lambda cur: target_probs[rows, cur],
         uniform_samples.float(),
         uniform_samples_for_final_sampling.float().to(device),
         steps,
@@ -272,7 +276,7 @@ def tree_speculative_sampling_target_only(
 
 def sample_tree_batch(
     trees: TreeBatch,
-    probs: torch.Tensor,
+    probs: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],
     coins: torch.Tensor,
     final_coins: torch.Tensor,
     threshold_single: float = 1.0,
@@ -281,24 +285,16 @@ def sample_tree_batch(
     """Tree rejection sampling of every row of ``trees`` at once (SGLang's contract, as
     ``tree_speculative_sampling_target_only``), on the device with no host sync.
 
-    ``probs`` [B, N, V] are the target distributions at the nodes, ``coins`` [B, N] each node's coin and
-    ``final_coins`` [B] each row's bonus coin. Siblings are tried in node order: in pop order a node's
-    children come most probable first, ties by index, which is ``compile_ddtree_retrieve``'s order.
+    ``probs`` are the target distributions at the nodes: [B, N, V], or a function from each row's current
+    node [B] to its distribution [B, V], so that only the nodes the walk visits (one a depth) are ever
+    filtered. ``coins`` [B, N] are each node's coin and ``final_coins`` [B] each row's bonus coin.
     """
-    b, n = trees.tokens.shape
-    device = trees.tokens.device
-    # Each node's rank among its siblings (earlier real nodes with the same parent), then the table.
-    nodes = torch.arange(n, device=device)
-    same = (trees.parents[:, :, None] == trees.parents[:, None, :]) & (nodes[None, :] < nodes[:, None])
-    rank = (same & trees.valid[:, None, :]).sum(dim=2)  # [B, N]
-    width = max(1, min(n - 1, trees.branching))
-    child = trees.valid & (nodes[None] > 0) & (rank < width)  # every real child fits: rank < branching
-    table = torch.full((b, n * width + 1), -1, dtype=torch.int64, device=device)  # last: discarded
-    where = torch.where(child, trees.parents.clamp(min=0) * width + rank, n * width)
-    table.scatter_(1, where, nodes.expand(b, n))
-    children = table[:, :-1].view(b, n, width)
+    if isinstance(probs, torch.Tensor):
+        rows = torch.arange(probs.shape[0], device=probs.device)
+        full = probs.float()
+        probs = lambda cur: full[rows, cur]  # noqa: E731
     return _walk_tree(
-        children, trees.tokens, probs.float(), coins.float(), final_coins.float(), trees.depth + 1,
+        trees.children(), trees.tokens, probs, coins.float(), final_coins.float(), trees.depth + 1,
         threshold_single, threshold_acc,
     )  # fmt: skip
 
@@ -306,7 +302,7 @@ def sample_tree_batch(
 def _walk_tree(
     children: torch.Tensor,
     candidates: torch.Tensor,
-    probs: torch.Tensor,
+    probs_at: Callable[[torch.Tensor], torch.Tensor],
     coins: torch.Tensor,
     final_coins: torch.Tensor,
     steps: int,
@@ -315,33 +311,33 @@ def _walk_tree(
     draft_probs: torch.Tensor | None = None,
 ) -> Accepted:
     """The rejection walk shared by both entry points: children [B, N, C] (-1 = none, sibling order),
-    candidates [B, N] tokens, probs [B, N, V], coins [B, N], final_coins [B]. ``draft_probs``, when given,
-    records the rejected children's mass (the kernel's scratch) and is subtracted at the last node; without
-    it the last node's rejected children are removed directly (the same residual: q - q = 0)."""
+    candidates [B, N] tokens, ``probs_at`` from the current nodes [B] to their target rows [B, V] (asked
+    once a step and once for the bonus), coins [B, N], final_coins [B]. ``draft_probs`` [B, N, V], when
+    given, records the rejected children's mass (the kernel's scratch) and is subtracted at the last node;
+    without it the last node's rejected children are removed directly (the same residual: q - q = 0)."""
     threshold_single, threshold_acc = check_accept_thresholds(threshold_single, threshold_acc)
-    b, n, vocab = probs.shape
-    device = probs.device
+    b, n = candidates.shape
+    device = candidates.device
     acc_scale = max(threshold_acc, 1e-9)
     rows = torch.arange(b, device=device)
-    flat = probs.view(b, n * vocab)
     cur = torch.zeros(b, dtype=torch.int64, device=device)
     alive = torch.ones(b, dtype=torch.bool, device=device)
     path = torch.zeros(b, steps, dtype=torch.int64, device=device)
     lengths = torch.ones(b, dtype=torch.int64, device=device)
     ranks = torch.arange(children.shape[2], device=device)
 
-    def tried_children() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """At every row's current node: its children [B, C], whether each exists, their tokens and their
-        target probs."""
+    def tried_children() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """At every row's current node: its target row [B, V], its children [B, C], whether each exists,
+        their tokens and their target probs."""
+        q = probs_at(cur).float()  # [B, V]
         ch = children[rows, cur]  # [B, C]
         has = ch >= 0
         tokens = torch.where(has, candidates.gather(1, ch.clamp(min=0)), 0)  # [B, C]
-        p = torch.where(has, flat.gather(1, cur[:, None] * vocab + tokens), 0.0)  # [B, C] float32
-        return ch, has, tokens, p
+        return q, ch, has, tokens, torch.where(has, q.gather(1, tokens), 0.0)  # p: [B, C] float32
 
     cells, masses = [], []  # rejected children: their cells in draft_probs and their target mass
     for t in range(1, steps):
-        ch, has, tokens, p = tried_children()
+        _, ch, has, tokens, p = tried_children()
         running = p.double().cumsum(dim=1).float()  # [B, C]
         coin = coins.gather(1, cur[:, None])  # [B, 1]
         hit = has & (p > 0) & ((coin < running / acc_scale) | (p >= threshold_single)) & alive[:, None]
@@ -349,6 +345,7 @@ def _walk_tree(
         first = hit.int().argmax(dim=1)  # [B] the accepted child's rank
         if draft_probs is not None:  # children before the accepted one (all, when none is) were rejected
             rejected = has & alive[:, None] & (ranks[None] < torch.where(take, first, ranks.numel())[:, None])
+            vocab = draft_probs.shape[-1]
             cell = (rows[:, None] * n + cur[:, None]) * vocab + tokens  # [B, C] in draft_probs.view(-1)
             cells.append(torch.where(rejected, cell, b * n * vocab))  # the rest: one slot past the end
             masses.append(torch.where(rejected, p, 0.0))
@@ -362,9 +359,9 @@ def _walk_tree(
         scratch.scatter_(0, torch.cat(cells, dim=1).view(-1), torch.cat(masses, dim=1).view(-1))
         draft_probs.view(-1).copy_(scratch[:-1])
     # The bonus: the last node's row, less its rejected children unless the walk used every step.
-    _, has, tokens, p = tried_children()
+    q, _, has, tokens, p = tried_children()
+    vocab = q.shape[-1]
     stopped = lengths < steps  # [B]
-    q = probs[rows, cur]  # [B, V]
     if draft_probs is not None:
         residual = torch.where(stopped[:, None], (q - draft_probs[rows, cur]).clamp_min(0.0), q)
     else:

@@ -195,6 +195,35 @@ class TreeBatch:
         at = torch.tensor(rows, device=self.tokens.device)
         return TreeBatch(*(x[at] for x in self.tensors), self.sizes[rows], self.depth, self.branching)
 
+    def children(self) -> torch.Tensor:
+        """[B, N, C] each node's children in sibling order, -1 past the last (C = the most children a node
+        may have). Siblings come in node order: in pop order a node's children come most probable first,
+        ties by index, which is ``compile_ddtree_retrieve``'s order."""
+        b, n = self.tokens.shape
+        device = self.tokens.device
+        # Each node's rank among its siblings (earlier real nodes with the same parent), then the table.
+        nodes = torch.arange(n, device=device)
+        same = (self.parents[:, :, None] == self.parents[:, None, :]) & (nodes[None, :] < nodes[:, None])
+        rank = (same & self.valid[:, None, :]).sum(dim=2)  # [B, N]
+        width = max(1, min(n - 1, self.branching))
+        child = self.valid & (nodes[None] > 0) & (rank < width)  # every real child fits: rank < branching
+        table = torch.full((b, n * width + 1), -1, dtype=torch.int64, device=device)  # last: discarded
+        where = torch.where(child, self.parents.clamp(min=0) * width + rank, n * width)
+        table.scatter_(1, where, nodes.expand(b, n))
+        return table[:, :-1].view(b, n, width)
+
+    def read_depth(self) -> TreeBatch:
+        """The same trees with ``depth`` the deepest real node, read from the device (one host read).
+
+        The host knows only a bound (the drafted block), and acceptance takes one step per depth; a
+        near-flat draft gives wide trees a few levels deep under a bound of 15. The engine reads it after
+        launching the verify forward, so on an accelerator the read waits for the tree, not the forward."""
+        depth = int(self.depths.max()) if self.depth else 0
+        trees = TreeBatch(*self.tensors, self.sizes, depth, self.branching)
+        if "valid" in self.__dict__:
+            trees.valid = self.valid
+        return trees
+
     def cut(self, sizes: np.ndarray) -> TreeBatch:
         """The same trees cut to ``sizes`` nodes (prefixes of pop order are trees)."""
         n = int(sizes.max(initial=1))

@@ -14,6 +14,7 @@ import torch
 
 from ddtree import DDTreeError
 from ddtree.engine import Engine
+from ddtree.engine.verifier import Verifier
 from ddtree.params import SamplingParams
 
 NEW = 40
@@ -113,6 +114,25 @@ def test_mixed_batch_equals_solo_runs_and_hf_generate(engine, prompts):
             assert a.token_ids == hf_greedy(engine, prompt, spec.params.max_new_tokens), spec
     assert sum(a.stats.tau > 1.5 for a in alone if a.stats.method != "ar") >= 3  # drafts got accepted
     assert any(a.finish_reason == "stop" for a in alone)  # a stop string ended a request
+
+
+def test_lm_head_over_visited_nodes_or_all_nodes_gives_the_same_outputs(engine, prompts, monkeypatch):
+    """The verifier's two ways to take the LM head (each row's current node a depth, or every node at
+    once) give the same tokens, finish reasons and logprobs, greedy and seeded, on the mixed batch."""
+    requests = list(zip(prompts, SPECS, strict=True))
+    runs, walked = [], []
+    visit = Verifier.visit_nodes
+    monkeypatch.setattr(
+        Verifier, "visit_nodes", lambda self, *a, **k: walked.append(visit(self, *a, **k)) or walked[-1]
+    )
+    for floor in (1, 10**9):  # 1: walk when the trees have more nodes than levels; 10^9: never
+        monkeypatch.setattr(engine.runner, "head_floor_rows", floor)
+        walked.clear()
+        runs.append(list(run_batch(engine, requests).values()))
+        assert any(walked) == (floor == 1)  # chains (as many levels as nodes) never walk
+    for spec, walk, whole in zip(SPECS, *runs, strict=True):
+        assert walk["tokens"] == whole["tokens"] and walk["finish"] == whole["finish"], spec
+        assert_same_logprobs(walk["logprobs"], whole["logprobs"])
 
 
 def test_requests_added_mid_decode_and_aborted_leave_the_others_unchanged(engine, prompts):

@@ -61,6 +61,7 @@ def test_greedy_head_taken_in_chunks_matches_plain_decoding(pair, monkeypatch):
     monkeypatch.setattr(verifier_module, "ARGMAX_CHUNK_ENTRIES", 5 * target.config.vocab_size)  # 5 nodes
     params = SamplingParams(max_new_tokens=NEW)
     engine = Engine(target, drafter, budget=64, max_num_seqs=2)
+    monkeypatch.setattr(engine.runner, "head_floor_rows", 10**9)  # the head over all nodes, not the walk
     results = engine.generate(PROMPTS[:2], params)
     for prompt, result in zip(PROMPTS[:2], results, strict=True):
         assert result.token_ids == hf_greedy(target, prompt, NEW)

@@ -514,8 +514,9 @@ def _random_sampling_case(seed: int):
 
 
 def test_vectorised_tree_sampling_equals_the_scalar_walk():
-    """The contract function, the engine's batched entry point and the scalar oracle agree exactly on
-    predicts, accept_index, accept_token_num and draft_probs over 400 random batches of device trees."""
+    """The contract function, the engine's batched entry point (given every node's row, or asking for the
+    visited nodes' rows with the trees' actual depth) and the scalar oracle agree exactly on predicts,
+    accept_index, accept_token_num and draft_probs over 400 random batches of device trees."""
     for seed in range(400):
         trees, probs, coins, final, thresholds = _random_sampling_case(seed)
         b, n = trees.tokens.shape
@@ -539,14 +540,22 @@ def test_vectorised_tree_sampling_equals_the_scalar_walk():
             outputs.append(out)
         (p0, a0, n0, d0), (p1, a1, n1, d1) = outputs
         assert torch.equal(a0, a1) and torch.equal(n0, n1) and torch.equal(d0, d1), seed
-        batched = sample_tree_batch(trees, probs, coins, final, **thresholds)
-        for i in range(b):
-            m = int(n0[i]) + 1
-            slots = a0[i, :m].long()
-            assert torch.equal(p0[slots], p1[slots]), seed
-            assert int(batched.lengths[i]) == m
-            assert (batched.path[i, :m] + i * n).tolist() == slots.tolist()
-            assert batched.tokens[i, :m].tolist() == p0[slots].tolist()
+        rows = torch.arange(b)
+        visited = sample_tree_batch(
+            trees.read_depth(),
+            lambda cur, probs=probs, rows=rows: probs[rows, cur],
+            coins,
+            final,
+            **thresholds,
+        )
+        for batched in (sample_tree_batch(trees, probs, coins, final, **thresholds), visited):
+            for i in range(b):
+                m = int(n0[i]) + 1
+                slots = a0[i, :m].long()
+                assert torch.equal(p0[slots], p1[slots]), seed
+                assert int(batched.lengths[i]) == m
+                assert (batched.path[i, :m] + i * n).tolist() == slots.tolist()
+                assert batched.tokens[i, :m].tolist() == p0[slots].tolist()
 
 
 def test_kernel_accepts_sglangs_deterministic_argument():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ddtree.tree import DraftTree, TreeSpec, build_ddtree_tree, build_tree_batch, draft_candidates
-from ddtree.verify import accept_greedy, follow_verified_tree
+from ddtree.verify import accept_greedy, follow_verified_tree, walk_greedy
 from tests.conftest import tree_from_parents
 
 
@@ -63,7 +63,8 @@ def test_greedy_walk_asks_the_target_only_about_the_nodes_it_accepts():
 
 
 def test_batched_greedy_acceptance_equals_the_scalar_walk():
-    """accept_greedy over whole batches of device trees against follow_verified_tree row by row, with
+    """accept_greedy and walk_greedy (the head asked at visited nodes only) over whole batches of device
+    trees against follow_verified_tree row by row, with
     targets that agree with some child most of the time (deep walks) and budgets from 0 to 64."""
     for seed in range(200):
         gen = torch.Generator().manual_seed(seed)
@@ -74,8 +75,17 @@ def test_batched_greedy_acceptance_equals_the_scalar_walk():
         vals, ids = draft_candidates(logits, vocab)
         trees = build_tree_batch(vals, ids, torch.randint(0, vocab, (b,), generator=gen), spec)
         argmax = torch.randint(0, vocab, trees.tokens.shape, generator=gen)
-        got = accept_greedy(trees, argmax)
-        for i in range(b):
-            nodes, tokens = follow_verified_tree(trees.row(i), argmax[i].tolist().__getitem__)
-            m = int(got.lengths[i])
-            assert (got.path[i, :m].tolist(), got.tokens[i, :m].tolist()) == (nodes, tokens)
+        rows = torch.arange(b)
+        asked = []
+
+        def argmax_at(cur, asked=asked, argmax=argmax, rows=rows):
+            asked.append(cur)
+            return argmax[rows, cur]
+
+        walked = walk_greedy(trees.read_depth(), argmax_at)
+        assert len(asked) == int(trees.depths.max()) + 1  # one head call a level, one for the bonus
+        for got in (accept_greedy(trees, argmax), walked):
+            for i in range(b):
+                nodes, tokens = follow_verified_tree(trees.row(i), argmax[i].tolist().__getitem__)
+                m = int(got.lengths[i])
+                assert (got.path[i, :m].tolist(), got.tokens[i, :m].tolist()) == (nodes, tokens)

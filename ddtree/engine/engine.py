@@ -26,7 +26,6 @@ import random
 import time
 from collections import deque
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -36,10 +35,11 @@ from ddtree.commit import OutputState, token_logprobs
 from ddtree.drafter import DFlashDrafter
 from ddtree.engine.auto_budget import AutoBudget
 from ddtree.engine.block_manager import BlockManager
+from ddtree.engine.clock import StageClock
 from ddtree.engine.memory import CacheConfig
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.proposer import Proposer
-from ddtree.engine.request import STAGES, GenerationResult, GenerationStats, Request, StreamDelta
+from ddtree.engine.request import GenerationResult, GenerationStats, Request, StreamDelta
 from ddtree.engine.scheduler import Chunk, Scheduler
 from ddtree.engine.verifier import Verifier, delta_of
 from ddtree.errors import DDTreeError
@@ -454,7 +454,7 @@ class Engine:
     def _prefill(self, chunks: list[Chunk]) -> list[StreamDelta]:
         """Prompt chunks in one forward (and, drafting, their features into the drafter's cache). A request
         whose prefill ends gets its first token; a preempted one resumes with its last emitted token."""
-        t0 = self._now()
+        t0 = time.perf_counter()  # the last step ended with a sync: the device is not behind
         batch = [c.request for c in chunks]
         logits, features = self.runner.prefill(
             [
@@ -495,38 +495,40 @@ class Engine:
     def _round(self) -> list[StreamDelta]:
         """Draft, build every row's tree, verify all trees in one target forward, accept, commit.
 
-        From the draft to the verdicts the round runs on the device; the host waits once, for the verdicts
+        From the draft to the verdicts the round runs on the device; the host waits twice: for the trees'
+        depth (``Verifier.accept``, while the verify forward runs) and for the verdicts
         (``Verifier.commit``). Rows with budget "auto" add one copy (their trees' draft log-probs) and time
-        the stages, as profiling does (waiting for the device at each stage boundary).
+        the stages, as profiling does (``StageClock``: CUDA events read after the round's last sync, so
+        timing adds no wait).
         """
         rows = self.scheduler.schedule_round(self.proposer.columns)  # blocks taken; may preempt
-        timing = self.profile or any(r.auto for r in rows)
-        t_round = self._now(timing)
-        seconds = dict.fromkeys(STAGES, 0.0)
+        clock = StageClock(self.device, self.profile or any(r.auto for r in rows))
+        t_round = time.perf_counter()  # the last step ended with a sync: the device is not behind
         drafting = self.scheduler.drafting_this_round(rows)
-        with self._stage(seconds, "draft", timing):
+        with clock.stage("draft"):
             draft_logits = self.proposer.draft(drafting) if drafting else None  # [D, depth, V]
-        with self._stage(seconds, "tree", timing):
+        with clock.stage("tree"):
             trees = self.proposer.trees(rows, drafting, draft_logits)
             logw = None
             if any(r.auto for r in drafting):
                 trees, logw = self.auto.choose(rows, trees, len(drafting))
-        with self._stage(seconds, "inputs", timing):
+        with clock.stage("inputs"):
             batch = self.verifier.inputs(rows, trees)
-        with self._stage(seconds, "verify", timing):
+        with clock.stage("verify"):
             # Features whenever a row drafts, and always with fixed shapes (one graph per shape).
             want = self.runner.fixed_shapes or any(r.drafts for r in rows)
             hidden, features = self.runner.verify_forward(*batch.forward_args(), want)
             hidden = hidden[: batch.rows, : batch.nodes]  # [B, N, H] (padded with fixed shapes)
             features = None if features is None else features[: batch.rows, : batch.nodes]  # [B, N, F * H]
-        with self._stage(seconds, "accept", timing):
+        with clock.stage("accept"):
             accepted = self.verifier.accept(rows, trees, hidden)  # the LM head closes the target forward
-        with self._stage(seconds, "commit", timing):
+        with clock.stage("commit"):
             deltas, verdicts = self.verifier.commit(rows, accepted, hidden, features, batch.tables)
             self.auto.learn(rows, trees.sizes, logw, verdicts)
             self._release_finished(rows)
-        elapsed = self._now(timing) - t_round
-        if timing:
+        elapsed = time.perf_counter() - t_round
+        seconds = clock.seconds()
+        if clock.enabled:
             self.auto.observe(batch.ids.numel(), seconds["verify"], len(drafting), seconds["draft"], elapsed)
         for r in rows:
             for name, value in seconds.items():
@@ -545,16 +547,9 @@ class Engine:
 
     # -- timing -----------------------------------------------------------------------------------------
 
-    def _now(self, sync: bool = True) -> float:
-        if sync and self.device.type == "cuda":  # a stage's time is only known once its kernels finished
+    def _now(self) -> float:
+        """The host clock once the device has caught up (the prefill's end, the auto budget's calibration
+        forwards); a round's stages use ``StageClock`` instead, which does not wait."""
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
-
-    @contextmanager
-    def _stage(self, seconds: dict[str, float], name: str, timing: bool):
-        if not timing:
-            yield
-            return
-        t = self._now()
-        yield
-        seconds[name] += self._now() - t

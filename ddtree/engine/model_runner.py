@@ -41,6 +41,19 @@ def fast_low_precision(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if native else torch.float32
 
 
+def head_floor_rows(device: torch.device, weight: torch.Tensor) -> int:
+    """Rows below which an LM-head call costs no less: the head is one [rows, H] x [H, V] matmul.
+
+    On a GPU a small call is bound by reading the [V, H] weight; at an H200's ~200 flops per byte of HBM a
+    bf16 weight's read costs as much as ~200 rows' multiply-adds (a roofline estimate, to be measured by
+    ``scripts/device_round.py``). On a CPU the matmul is compute-bound, and what a call costs on top is
+    its dispatch (~10 ops, ~0.1 ms, about 2^23 multiply-adds here).
+    """
+    if device.type == "cuda":
+        return 256
+    return max(1, -(-(1 << 23) // weight.numel()))
+
+
 def with_mlp_dtype(drafter: DFlashDrafter, dtype: torch.dtype) -> DFlashDrafter:
     """``drafter``, or a copy of it whose MLP weights are ``dtype`` (the caller's module is left alone)."""
     if all(p.dtype == dtype for layer in drafter.layers for p in layer.mlp.parameters()):
@@ -72,6 +85,7 @@ class ModelRunner:
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.forward = TargetForward(target)
+        self.head_floor_rows = head_floor_rows(self.device, self.lm_head.weight)
         # The drafter only proposes tokens, so rounding in its matmuls cannot change what is emitted. Its
         # LM head (a copy of the target's) and its MLPs, the largest matmuls of a draft pass, run in
         # `draft_dtype`: bf16 reads half the bytes and runs natively where supported (attention and norms

@@ -18,9 +18,10 @@ from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Request, StreamDelta
 from ddtree.sampling import SamplingTensors, filtered_probs, inverse_cdf, sample_tree_batch
 from ddtree.tree import TreeBatch
-from ddtree.verify import Accepted, accept_greedy, ancestor_mask
+from ddtree.verify import Accepted, accept_greedy, ancestor_mask, walk_greedy
 
 ARGMAX_CHUNK_ENTRIES = 1 << 24  # logits per LM-head call of the greedy acceptance (64 MB in float32)
+SAMPLE_ENTRIES = 1 << 26  # at most this many filtered probabilities at once (256 MB in float32)
 
 Verdict = tuple[list[int], list[int]]  # (accepted nodes, root first; emitted tokens, bonus last)
 
@@ -55,7 +56,7 @@ class Verifier:
     """Verify inputs, heads, acceptance and commit over the model runner's target and cache.
 
     From the trees to the verdicts everything stays on the device; ``commit`` copies the round's verdicts
-    (tokens, accepted nodes, lengths) to the host in one transfer, the round's one sync."""
+    (tokens, accepted nodes, lengths) to the host in one transfer; ``accept`` reads the trees' depth."""
 
     def __init__(self, runner: ModelRunner, threshold_single: float, threshold_acc: float) -> None:
         self.runner = runner
@@ -125,7 +126,11 @@ class Verifier:
     def accept(self, rows: list[Request], trees: TreeBatch, hidden: torch.Tensor) -> Accepted:
         """Every row's verdict on the device, from the final hidden states [B, N, H]: greedy rows by
         matching each node against its parent's target argmax, sampled rows by tree rejection sampling
-        (each drawing its coins from its own generator, in the same order alone or in a batch)."""
+        (each drawing its coins from its own generator, in the same order alone or in a batch).
+
+        The LM head runs either over every node at once or, one depth at a time, over each row's current
+        node only (``visit_nodes``); both give the same verdicts."""
+        trees = trees.read_depth()  # the round's second host read, while the verify forward runs
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         parts = []
@@ -136,9 +141,9 @@ class Verifier:
             sub = trees if whole else trees.select(group)
             states = hidden if whole else hidden[group]  # [G, N, H]
             if group is greedy:
-                parts.append((group, accept_greedy(sub, self._argmax(states))))
+                parts.append((group, self._greedy(sub, states)))
             else:
-                parts.append((group, self._sample(rows, group, sub, self.runner.lm_head(states))))
+                parts.append((group, self._sample(rows, group, sub, states)))
         if len(parts) == 1:
             return parts[0][1]
         b, steps, device = len(rows), trees.depth + 1, hidden.device
@@ -153,22 +158,45 @@ class Verifier:
                 getattr(out, name).index_copy_(0, at, getattr(part, name))
         return out
 
-    def _argmax(self, states: torch.Tensor) -> torch.Tensor:
-        """The target's argmax at every node [G, N] from hidden states [G, N, H], the LM head taken over
-        ``ARGMAX_CHUNK_ENTRIES // V`` nodes at a time: at a 152k vocabulary, all of 16 rows x 257 nodes at
-        once would be 2.5 GB of logits."""
-        flat = states.reshape(-1, states.shape[-1])  # [G * N, H]
+    def visit_nodes(self, trees: TreeBatch, per_node_entries: int = 0) -> bool:
+        """Whether the LM head should follow the walk (depth + 1 calls over the G rows' current nodes)
+        rather than cover all G x N nodes in one call.
+
+        A head call costs at least ``head_floor_rows`` rows' worth (see ``ModelRunner``). Wide, shallow
+        trees (a near-flat draft) and big budgets favour the walk; small batches of deep trees on an
+        accelerator favour one call. ``per_node_entries`` > 0 is what one node holds in memory when all
+        are taken at once (the sampled rows' filtered distributions): past ``SAMPLE_ENTRIES`` in all, the
+        walk is taken whatever the cost."""
+        g, n = trees.tokens.shape
+        floor = self.runner.head_floor_rows
+        walk = (trees.depth + 1) * max(g, floor)
+        return walk < max(g * n, floor) or g * n * per_node_entries > SAMPLE_ENTRIES
+
+    def _greedy(self, trees: TreeBatch, states: torch.Tensor) -> Accepted:
+        """Greedy verdicts of these rows from their hidden states [G, N, H]."""
         head = self.runner.lm_head
+        if self.visit_nodes(trees):
+            rows = torch.arange(states.shape[0], device=states.device)
+            return walk_greedy(trees, lambda cur: head(states[rows, cur]).argmax(dim=-1))
+        # All nodes, ARGMAX_CHUNK_ENTRIES // V at a time: at a 152k vocabulary, all of 16 rows x 257 nodes
+        # at once would be 2.5 GB of logits.
+        flat = states.reshape(-1, states.shape[-1])  # [G * N, H]
         step = max(1, ARGMAX_CHUNK_ENTRIES // head.weight.shape[0])
         argmax = [head(flat[i : i + step]).argmax(dim=-1) for i in range(0, flat.shape[0], step)]
-        return torch.cat(argmax).view(states.shape[:2])
+        return accept_greedy(trees, torch.cat(argmax).view(states.shape[:2]))
 
     def _sample(
-        self, rows: list[Request], group: list[int], trees: TreeBatch, logits: torch.Tensor
+        self, rows: list[Request], group: list[int], trees: TreeBatch, states: torch.Tensor
     ) -> Accepted:
-        """Tree rejection sampling of the rows ``group`` (their trees and head logits [S, N, V])."""
-        device = logits.device
-        probs = filtered_probs(logits, SamplingTensors.from_params([rows[i].params for i in group], device))
+        """Tree rejection sampling of the rows ``group`` (their trees and hidden states [S, N, H])."""
+        device = states.device
+        head = self.runner.lm_head
+        sampling = SamplingTensors.from_params([rows[i].params for i in group], device)
+        if self.visit_nodes(trees, per_node_entries=head.weight.shape[0]):
+            at = torch.arange(states.shape[0], device=device)
+            probs = lambda cur: filtered_probs(head(states[at, cur])[:, None], sampling)[:, 0]  # noqa: E731
+        else:
+            probs = filtered_probs(head(states), sampling)  # [S, N, V]
         coins = torch.zeros(trees.tokens.shape, dtype=torch.float32, device=device)  # [S, N]
         finals = []
         for k, i in enumerate(group):

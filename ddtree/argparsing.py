@@ -91,6 +91,13 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             flag, type=int_list(flag), default=None, metavar=f"{metavar}1,{metavar}2,...", help=text
         )
+    p.add_argument(
+        "--attention-backend",
+        choices=["sdpa", "flex"],
+        default="sdpa",
+        help="with --compile: 'flex' reads each row's own KV blocks up to its length (FlexAttention over the "
+        "paged pool) instead of a span of every row (default: sdpa)",
+    )
 
 
 def check_compile_options(args: argparse.Namespace, max_batch_size: int) -> None:
@@ -101,7 +108,11 @@ def check_compile_options(args: argparse.Namespace, max_batch_size: int) -> None
         for flag, _, _ in BUCKET_FLAGS:
             if getattr(args, flag[2:].replace("-", "_")) is not None:
                 raise DDTreeError(f"{flag} needs --compile")
+        if args.attention_backend != "sdpa":
+            raise DDTreeError(f"--attention-backend {args.attention_backend} needs --compile")
         return
+    if args.attention_backend == "flex" and args.span_buckets is not None:
+        raise DDTreeError("--span-buckets is for --attention-backend sdpa; flex reads each row's own length")
     check_batch_buckets("--batch-buckets", args.batch_buckets, max_batch_size)
     check_buckets("--node-buckets", args.node_buckets)
     check_buckets("--span-buckets", args.span_buckets)

@@ -169,6 +169,7 @@ def engine_from_args(args: argparse.Namespace):
             "batch_buckets": args.batch_buckets,
             "node_buckets": args.node_buckets,
             "span_buckets": args.span_buckets,
+            "attention": args.attention_backend,
         }
     return Engine.from_pretrained(
         target,

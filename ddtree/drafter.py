@@ -18,13 +18,14 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from huggingface_hub.errors import StrictDataclassError
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from ddtree.attention import attend
 from ddtree.errors import DDTreeError
 from ddtree.kv_cache import CacheWrite
 
@@ -104,7 +105,7 @@ class DFlashAttention(nn.Module):
         ctx: torch.Tensor,  # [B, C, H] projected context features not yet cached (C may be 0)
         rope: tuple[torch.Tensor, torch.Tensor],  # cos/sin [B, C + S, D] of [new context ; block]
         cache: CacheWrite | None,  # where [new context ; block] go; None: no cache, ctx is the whole context
-        mask: torch.Tensor | None,  # [B, 1, S, span] bool (True = attend) or None for full
+        mask: torch.Tensor | BlockMask | None,  # [B, 1, S, span] bool (True = attend), flex's, None: all
     ) -> torch.Tensor:
         b, s, _ = x.shape
         c = ctx.shape[1]
@@ -118,9 +119,7 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(kv_in).view(b, c + s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if cache is not None:
             k, v = cache.write(self.layer_idx, k, v)  # [B, kv_heads, span, D]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads
-        )  # [B, heads, S, D]
+        out = attend(q, k, v, mask)  # [B, heads, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 

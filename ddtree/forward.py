@@ -2,17 +2,18 @@
 
 The engine owns this loop (as gpt-fast, vLLM and SGLang own theirs) because a batch of requests needs what
 HF's cache and mask plumbing does not give: each row writes its tokens into its own KV blocks and attends
-through a mask built once per round. Everything else (projections, q/k norms, rotary tables, MLPs, norms)
-is the HF module itself, so Qwen3, Qwen3-MoE, Qwen2, Llama and Mistral checkpoints run unchanged; HF's
-forward stays the oracle the tests compare against.
+through a mask built once per round (``ddtree.attention``: SDPA or FlexAttention). Everything else
+(projections, q/k norms, rotary tables, MLPs, norms) is the HF module itself, so Qwen3, Qwen3-MoE, Qwen2,
+Llama and Mistral checkpoints run unchanged; HF's forward stays the oracle the tests compare against.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from ddtree.attention import attend
 from ddtree.kv_cache import CacheWrite
 
 
@@ -37,7 +38,7 @@ class TargetForward:
         ids: torch.Tensor,  # [B, T] int64
         positions: torch.Tensor,  # [B, T] int64
         write: CacheWrite,  # where the T tokens' keys/values go and how many columns attention reads
-        mask: torch.Tensor,  # [B, 1, T, span] bool, True = attend
+        mask: torch.Tensor | BlockMask,  # [B, 1, T, span] bool, True = attend; or flex's block mask
         feature_layers: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Final hidden states [B, T, H] (before the LM head) and, when ``feature_layers`` is given, the
@@ -58,14 +59,7 @@ class TargetForward:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, heads, T, D]
             keys, values = write.write(i, k, v)  # [B, kv_heads, span, D]
-            out = F.scaled_dot_product_attention(
-                q,
-                keys,
-                values,
-                attn_mask=mask,
-                scale=self.scaling,
-                enable_gqa=self.num_kv_heads != self.num_heads,
-            )  # [B, heads, T, D]
+            out = attend(q, keys, values, mask, self.scaling)  # [B, heads, T, D]
             x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if feature_layers is not None and i in feature_layers and i != last:

@@ -96,17 +96,19 @@ class CacheWrite:
     cache: PagedKVCache
     tables: torch.Tensor  # [B, width + 1] int64
     cols: torch.Tensor  # [B, T] int64
-    span: int
+    span: int | None  # None: attention reads the pool itself (``ddtree.attention``'s flex backend)
 
     def __post_init__(self) -> None:
         self.slots = self.cache.slots(self.tables, self.cols)  # [B, T], shared by every layer
         # [B * span / block_size]: index_select on a flat index gathers 5x faster on the CPU than
         # indexing the pool with a [B, blocks] tensor
-        self.read = self.tables[:, : self.span // self.cache.block_size].flatten()
+        if self.span is not None:
+            self.read = self.tables[:, : self.span // self.cache.block_size].flatten()
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k/v [B, kv_heads, T, D]; return the rows' first ``span`` columns of keys/values
-        [B, kv_heads, span, D], gathered from their blocks.
+        [B, kv_heads, span, D], gathered from their blocks, or (span None) the whole pool as every row's
+        [B, kv_heads, num_blocks * block_size, D] (a view: nothing is copied).
 
         One indexed write into the whole pool per tensor: compiled, it stays in place (a write through a
         view makes torch.compile copy what the view spans back, each layer).
@@ -116,6 +118,9 @@ class CacheWrite:
         for buf, new in ((self.cache.keys[layer], k), (self.cache.values[layer], v)):
             flat = buf.view(-1, *buf.shape[2:])  # [num_blocks * block_size, kv_heads, D]
             flat[self.slots] = new.transpose(1, 2).to(buf.dtype)  # [B, T, kv_heads, D]
+            if self.span is None:
+                out.append(flat[None].transpose(1, 2).expand(b, -1, -1, -1))
+                continue
             rows = buf.index_select(0, self.read)  # [B * span / block_size, block_size, kv_heads, D]
             out.append(rows.view(b, self.span, *buf.shape[2:]).transpose(1, 2))
         return out[0], out[1]

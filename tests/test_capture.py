@@ -20,10 +20,12 @@ import torch
 from torch._dynamo.utils import counters
 
 from ddtree import DDTreeError
+from ddtree.attention import PagedBlockMask, attend
 from ddtree.budget import CostModel, LinearCost
 from ddtree.capture import batch_ladder, node_ladder, pick, tree_mask
 from ddtree.engine import Engine
 from ddtree.engine.clock import StageClock
+from ddtree.kv_cache import PagedKVCache
 from ddtree.params import SamplingParams
 
 DEVICE = os.environ.get("DDTREE_TEST_DEVICE", "cpu")
@@ -114,6 +116,12 @@ def test_bucket_options_are_checked_before_anything_runs(eager: Engine):
         Engine(target, drafter, compile=True, fixed_shapes=False)
     with pytest.raises(DDTreeError, match="largest node bucket"):
         Engine(target, drafter, budget=32, fixed_shapes=True, node_buckets=[5, 17])
+    with pytest.raises(DDTreeError, match="attention='flex' needs compile=True"):
+        Engine(target, drafter, attention="flex")
+    with pytest.raises(DDTreeError, match="attention must be one of sdpa, flex"):
+        Engine(target, drafter, compile=True, attention="paged")
+    with pytest.raises(DDTreeError, match="span buckets are for attention='sdpa'"):
+        Engine(target, drafter, compile=True, attention="flex", span_buckets=[32])
     padded = Engine(target, drafter, budget=8, fixed_shapes=True, node_buckets=[5, 17])
     with pytest.raises(DDTreeError, match="largest node bucket"):
         padded.add_request("x", budget=17)
@@ -135,10 +143,10 @@ def test_padded_rows_and_nodes_change_no_output(eager: Engine):
     shapes = []
     verify = padded.runner.verify_forward
 
-    def spy(ids, positions, cols, starts, anc, tables, span, features):
+    def spy(ids, positions, cols, starts, anc, tables, span, features, block_mask):
         widest = int(anc.diagonal(dim1=1, dim2=2).sum(-1).max())  # a real node sees itself, padding not
         shapes.append((tuple(ids.shape), span, padded.num_running, widest))
-        return verify(ids, positions, cols, starts, anc, tables, span, features)
+        return verify(ids, positions, cols, starts, anc, tables, span, features, block_mask)
 
     padded.runner.verify_forward = spy
     specs = requests(new=40)
@@ -150,16 +158,16 @@ def test_padded_rows_and_nodes_change_no_output(eager: Engine):
     assert any(widest < shape[1] for shape, _, _, widest in shapes)  # dummy nodes
 
 
+def compiled_pair(eager: Engine, **options) -> Engine:
+    """A compiled two-row sibling: one batch bucket, so a batch alone runs as a dummy-padded pair."""
+    return sibling(
+        eager, max_batch_size=2, draft_dtype=torch.float32, compile=True, batch_buckets=[2], **options
+    )
+
+
 @pytest.fixture(scope="module")
 def compiled(eager: Engine) -> Engine:
-    return sibling(
-        eager,
-        max_batch_size=2,
-        draft_dtype=torch.float32,
-        compile=True,
-        batch_buckets=[2],  # one batch alone runs as a dummy-padded pair
-        node_buckets=[5, 17, 257],
-    )
+    return compiled_pair(eager, node_buckets=[5, 17, 257])
 
 
 def test_compiled_rounds_never_recompile_and_match_eager(eager: Engine, compiled: Engine):
@@ -234,3 +242,56 @@ def test_auto_rows_catch_up_a_long_backlog_with_repeated_fixed_passes(eager: Eng
     assert max(rounds.count(n) for n in set(rounds)) >= 2  # one round, several passes
     probes = [a for a, n in zip(got.stats.acceptance_lengths, got.stats.drafted_nodes, strict=True) if n]
     assert max(probes) > 1
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
+def test_paged_block_mask_shows_each_row_its_own_columns_only():
+    """The flex backend's mask over the pool equals the dense tree mask over each row's gathered columns:
+    uncompiled flex (a dense reference over every pool column) against SDPA, rows with shuffled blocks,
+    committed lengths from 0 to a block short of the table, a dummy row; the block lists end at each
+    row's last needed block."""
+    gen = torch.Generator().manual_seed(0)
+    b, n, heads, kv_heads, d, bs, width = 4, 5, 4, 2, 16, 4, 6
+    cache = PagedKVCache(1, 1 + b * width, bs, width, kv_heads, d, torch.float32, "cpu")
+    cache.keys[0].normal_(generator=gen)
+    cache.values[0].normal_(generator=gen)
+    tables = torch.zeros(b, width + 1, dtype=torch.int64)
+    tables[:3, :width] = (torch.randperm(b * width, generator=gen)[: 3 * width] + 1).view(3, width)
+    starts = torch.tensor([0, 7, width * bs - n, 1])  # row 3: a dummy (all scratch), sees nothing real
+    anc = torch.rand(b, n, n, generator=gen) < 0.5
+    q = torch.randn(b, heads, n, d, generator=gen)
+    cols = torch.full((b, n), cache.scratch, dtype=torch.int64)  # write nothing: read what is there
+    mask = PagedBlockMask(cache, b, n, torch.device("cpu")).update(tables, starts, anc)
+    assert mask.kv_num_blocks[:3, 0, 0].tolist() == [-(-(s + n) // bs) for s in starts[:3].tolist()]
+    span = width * bs
+    dense = attend(
+        q, *cache.at(tables, cols, span).write(0, *_no_new(cache, b)), tree_mask(starts, anc, span)
+    )
+    flex = attend(q, *cache.at(tables, cols, None).write(0, *_no_new(cache, b)), mask)
+    assert torch.allclose(flex[:3], dense[:3], atol=1e-5)
+
+
+def _no_new(cache: PagedKVCache, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys/values for one token per row into the scratch column (the test only reads)."""
+    k = torch.zeros(b, cache.keys[0].shape[2], 5, cache.keys[0].shape[3])
+    return k, k
+
+
+@pytest.fixture(scope="module")
+def compiled_flex(eager: Engine) -> Engine:
+    # One verify shape and one drafter shape: on a fresh machine each flex graph compiles for a minute.
+    return compiled_pair(eager, node_buckets=[17], attention="flex")
+
+
+def test_flex_attention_rounds_never_recompile_and_match_eager(eager: Engine, compiled_flex: Engine):
+    """FlexAttention over the paged pool (each row reads its own blocks up to its length), compiled:
+    no compile after the warm-up, no graph break, and the same greedy tokens, seeded samples and
+    logprobs as the eager SDPA engine."""
+    graphs = counters["stats"]["unique_graphs"]
+    specs = requests(new=32)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = run(compiled_flex, specs)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert sum(counters["graph_break"].values()) == 0
+    assert compiled_flex.runner.block_masks  # the rounds went through the flex backend
+    assert got == run(eager, specs)

@@ -149,6 +149,7 @@ def load_engines(args: argparse.Namespace, cfg, max_batch_size: int = 1):
             batch_buckets=args.batch_buckets,
             node_buckets=node_buckets,
             span_buckets=args.span_buckets,
+            attention=args.attention_backend,
         )
     return engines, target_dir, drafter_dir
 
@@ -164,6 +165,7 @@ def compile_info(engines: dict) -> dict:
         "batch_buckets": list(engine.batch_buckets),
         "node_buckets": list(engine.node_buckets),
         "span_buckets": list(engine.span_buckets),
+        "attention": engine.attention,
         "shapes": len(engine.batch_buckets) * len(engine.node_buckets) * len(engine.span_buckets),
         "device": str(engine.device),
     }

@@ -99,6 +99,7 @@ class Engine:
         batch_buckets: list[int] | None = None,
         node_buckets: list[int] | None = None,
         span_buckets: list[int] | None = None,
+        attention: str = "sdpa",
         profile: bool = False,
     ) -> None:
         self.target = target.eval()
@@ -162,7 +163,7 @@ class Engine:
         self.verifier = Verifier(self.runner, self.accept_threshold_single, self.accept_threshold_acc)
         self.auto = AutoBudget(self.runner, self.scheduler, cost_model, self._now)
         self.runner.setup_shapes(
-            compile, fixed_shapes, max_num_seqs, deepest, batch_buckets, node_buckets, span_buckets
+            compile, fixed_shapes, max_num_seqs, deepest, batch_buckets, node_buckets, span_buckets, attention
         )
         if self.budget != AUTO and self.method == "ddtree":
             self._check_captured_budget(self.budget)
@@ -217,6 +218,7 @@ class Engine:
     batch_buckets = property(lambda self: self.runner.batch_buckets)
     node_buckets = property(lambda self: self.runner.node_buckets)
     span_buckets = property(lambda self: self.runner.span_buckets)
+    attention = property(lambda self: self.runner.attention)
     cost = property(lambda self: self.auto.cost)
     calibration = property(lambda self: self.auto.calibration)
 
@@ -235,7 +237,7 @@ class Engine:
                 for n in runner.node_buckets:
                     batch = self.verifier.inputs([], None, shape=(b, n, span))
                     for _ in range(replays):
-                        runner.verify_forward(*batch.forward_args(), True)
+                        runner.verify_forward(*batch.forward_args(True))
                 if self.drafter is not None:
                     bs, tables = self.drafter.block_size, runner.block_tables([], b)
                     for _ in range(replays):
@@ -517,7 +519,7 @@ class Engine:
         with clock.stage("verify"):
             # Features whenever a row drafts, and always with fixed shapes (one graph per shape).
             want = self.runner.fixed_shapes or any(r.drafts for r in rows)
-            hidden, features = self.runner.verify_forward(*batch.forward_args(), want)
+            hidden, features = self.runner.verify_forward(*batch.forward_args(want))
             hidden = hidden[: batch.rows, : batch.nodes]  # [B, N, H] (padded with fixed shapes)
             features = None if features is None else features[: batch.rows, : batch.nodes]  # [B, N, F * H]
         with clock.stage("accept"):

@@ -13,7 +13,9 @@ import copy
 
 import numpy as np
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
+from ddtree.attention import ATTENTION_BACKENDS, PagedBlockMask
 from ddtree.capture import (
     StaticInputs,
     batch_ladder,
@@ -149,6 +151,8 @@ class ModelRunner:
         self.inputs = StaticInputs(self.device, static=False)
         self.verify_forward = self.verify_forward_eager
         self.draft_forward = self.draft_forward_eager
+        self.attention = "sdpa"
+        self.block_masks: dict[tuple[int, int, int], PagedBlockMask] = {}  # (pool, rows, queries) -> mask
 
     def span(self, needed: int) -> int:
         """Columns attention reads for ``needed``: whole blocks (with fixed shapes, a span bucket)."""
@@ -177,13 +181,24 @@ class ModelRunner:
         batch_buckets: list[int] | None,
         node_buckets: list[int] | None,
         span_buckets: list[int] | None,
+        attention: str = "sdpa",
     ) -> None:
         """Choose the shapes every round is padded to (``deepest``: the most drafted nodes a configured tree
         asks for) and, with ``compile``, compile the two round forwards (the engine then warms them up).
 
-        Attention reads a span bucket of leading cache columns: by default the whole row (one graph per
-        batch and node bucket); more buckets make short rows read less (the CPU, long contexts) at the
-        price of more graphs."""
+        With SDPA, attention reads a span bucket of leading cache columns: by default the whole row (one
+        graph per batch and node bucket); more buckets make short rows read less (the CPU, long contexts)
+        at the price of more graphs. With ``attention="flex"`` each row reads its own blocks up to its
+        length (``ddtree.attention``), so there is one span: the whole row."""
+        if attention not in ATTENTION_BACKENDS:
+            raise DDTreeError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {attention!r}")
+        if attention == "flex" and not compile:
+            raise DDTreeError(
+                "attention='flex' needs compile=True (uncompiled, FlexAttention is a dense fallback)"
+            )
+        if attention == "flex" and span_buckets is not None:
+            raise DDTreeError("span buckets are for attention='sdpa'; flex reads each row's own length")
+        self.attention = attention
         self.fixed_shapes = compile if fixed_shapes is None else bool(fixed_shapes)
         if compile and not self.fixed_shapes:
             raise DDTreeError("compile=True needs fixed shapes (fixed_shapes=False was given)")
@@ -245,6 +260,23 @@ class ModelRunner:
         last = torch.from_numpy(lengths - 1).to(device)
         return self.lm_head(hidden[torch.arange(b, device=device), last]), feats  # [B, V], [B, P, F * H]
 
+    def block_mask(
+        self,
+        cache: PagedKVCache,
+        tables: torch.Tensor,
+        starts: torch.Tensor,
+        tree: torch.Tensor | None,
+        queries: int,
+    ) -> BlockMask | None:
+        """With ``attention="flex"``, this round's block mask over ``cache`` (``PagedBlockMask.update``; one
+        set of persistent buffers per shape); None with SDPA, whose dense mask the forward builds."""
+        if self.attention != "flex":
+            return None
+        key = (id(cache), tables.shape[0], queries)
+        if key not in self.block_masks:
+            self.block_masks[key] = PagedBlockMask(cache, tables.shape[0], queries, self.device)
+        return self.block_masks[key].update(tables, starts, tree)
+
     def verify_forward_eager(
         self,
         ids: torch.Tensor,  # [B, N]
@@ -255,13 +287,17 @@ class ModelRunner:
         tables: torch.Tensor,  # [B, width + 1]
         span: int,
         features: bool,
+        block_mask: BlockMask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The round's target forward over every row's tree: final hidden states [B, N, H] and, when
         ``features`` (always with fixed shapes and a drafter: one graph per shape), drafter features
-        [B, N, F * H]."""
+        [B, N, F * H]. With a ``block_mask`` (flex), attention reads the pool through it."""
         features = self.drafter is not None and (self.fixed_shapes or features)
-        write = self.cache.at(tables, cols, span)
-        mask = tree_mask(starts, anc, span)  # [B, 1, N, span]
+        if block_mask is None:
+            write = self.cache.at(tables, cols, span)
+            mask = tree_mask(starts, anc, span)  # [B, 1, N, span]
+        else:
+            write, mask = self.cache.at(tables, cols, None), block_mask
         return self.forward(ids, positions, write, mask, self.drafter.target_layer_ids if features else None)
 
     def draft_forward_eager(
@@ -275,11 +311,16 @@ class ModelRunner:
         ends: torch.Tensor,  # [B] columns each row's block attends to: [0, end)
         tables: torch.Tensor,  # [B, width + 1]
         span: int,
+        block_mask: BlockMask | None = None,
     ) -> torch.Tensor:
         """One drafter pass: the block's final hidden states [B, S, H]."""
-        write = self.draft_cache.at(tables, torch.cat((ctx_cols, block_cols), dim=1), span)
-        visible = torch.arange(span, device=ends.device)[None] < ends[:, None]  # [B, span]
-        mask = visible[:, None, None]  # [B, 1, 1, span]
+        cols = torch.cat((ctx_cols, block_cols), dim=1)
+        if block_mask is None:
+            write = self.draft_cache.at(tables, cols, span)
+            visible = torch.arange(span, device=ends.device)[None] < ends[:, None]  # [B, span]
+            mask = visible[:, None, None]  # [B, 1, 1, span]
+        else:
+            write, mask = self.draft_cache.at(tables, cols, None), block_mask
         return self.drafter(self.embed(block), features, block_positions, ctx_positions, write, mask)
 
     def timed_forward(self, tokens: int, now) -> float:

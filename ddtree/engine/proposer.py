@@ -113,7 +113,13 @@ class Proposer:
             tables=tables,
         )
         span = span or self.runner.span(int(ends.max()))
-        return (self.runner.draft_forward if fixed else self.runner.draft_forward_eager)(*inputs, span)
+        # flex (compiled passes only: uncompiled, FlexAttention is a dense fallback over the whole pool)
+        mask = (
+            self.runner.block_mask(self.runner.draft_cache, inputs[-1], inputs[-2], None, bs)
+            if fixed
+            else None
+        )
+        return (self.runner.draft_forward if fixed else self.runner.draft_forward_eager)(*inputs, span, mask)
 
     def columns(self, r: Request) -> int:
         """The most cache columns row r writes this round: its tree's nodes, or the drafter's block after

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from ddtree.capture import pick
 from ddtree.commit import pack_accepted, token_logprobs
@@ -46,10 +47,14 @@ class VerifyBatch:
     span: int  # columns attention reads: max_b (start_b + N_b) in whole blocks, or a span bucket
     rows: int  # real rows (the first ``rows`` of the batch)
     nodes: int  # real nodes of the widest tree
+    block_mask: BlockMask | None = None  # attention="flex": each row's own blocks (the span is unused)
 
-    def forward_args(self) -> tuple:
+    def forward_args(self, features: bool) -> tuple:
         """The verify forward's inputs, in ``ModelRunner.verify_forward``'s order."""
-        return self.ids, self.positions, self.cols, self.starts, self.anc, self.tables, self.span
+        return (
+            self.ids, self.positions, self.cols, self.starts, self.anc, self.tables, self.span, features,
+            self.block_mask,
+        )  # fmt: skip
 
 
 class Verifier:
@@ -121,7 +126,9 @@ class Verifier:
             anc=anc,
             tables=self.runner.block_tables(rows, bp),
         )
-        return VerifyBatch(*tensors, span=span, rows=b, nodes=n)
+        _, _, _, starts_t, anc, tables = tensors
+        mask = self.runner.block_mask(self.runner.cache, tables, starts_t, anc, np_)
+        return VerifyBatch(*tensors, span=span, rows=b, nodes=n, block_mask=mask)
 
     def accept(self, rows: list[Request], trees: TreeBatch, hidden: torch.Tensor) -> Accepted:
         """Every row's verdict on the device, from the final hidden states [B, N, H]: greedy rows by

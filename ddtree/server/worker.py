@@ -341,9 +341,10 @@ def log_compile(engine) -> None:
     if not getattr(engine, "compiled", False):
         return
     log.info(
-        "engine compiled in %.1f s: batch buckets %s, node buckets %s, span buckets %s",
+        "engine compiled in %.1f s: batch buckets %s, node buckets %s, span buckets %s, attention %s",
         engine.warmup_seconds,
         ",".join(map(str, engine.batch_buckets)),
         ",".join(map(str, engine.node_buckets)),
         ",".join(map(str, engine.span_buckets)),
+        engine.attention,
     )

@@ -10,17 +10,23 @@ Llama and Mistral checkpoints run unchanged; HF's forward stays the oracle the t
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.nn.attention.flex_attention import BlockMask
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ddtree.attention import attend
 from ddtree.kv_cache import CacheWrite
+from ddtree.tensor_parallel import TPGroup
 
 
 class TargetForward:
-    """``decoder(ids, positions, KV blocks/columns, mask) -> final hidden states (+ drafter features)``."""
+    """``decoder(ids, positions, KV blocks/columns, mask) -> final hidden states (+ drafter features)``.
 
-    def __init__(self, target) -> None:
+    With ``tp`` (a target sharded by ``ddtree.tensor_parallel.shard_target``) it runs this rank's heads
+    and MLP slice, and sums the ranks' partial ``o_proj`` and MLP outputs (Megatron's two all-reduces a
+    layer), so every rank carries the same residual stream and final hidden states."""
+
+    def __init__(self, target, tp: TPGroup | None = None) -> None:
         config = target.config  # its attention is full over the context (ddtree.models checks it)
         decoder = target.get_decoder()
         self.embed = decoder.embed_tokens
@@ -29,9 +35,17 @@ class TargetForward:
         self.rotary = decoder.rotary_emb
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        world = 1 if tp is None else tp.world_size
+        self.num_heads = config.num_attention_heads // world  # this rank's heads: its KV cache's layout
+        self.num_kv_heads = config.num_key_value_heads // world
+        self.tp = tp if tp is not None and tp.world_size > 1 else None
         self.scaling = attn.scaling
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel output [B, T, H] summed over the ranks in place; unsharded, the tensor itself."""
+        if self.tp is not None:
+            dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=self.tp.group)
+        return partial
 
     def __call__(
         self,
@@ -60,8 +74,8 @@ class TargetForward:
             q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, heads, T, D]
             keys, values = write.write(i, k, v)  # [B, kv_heads, span, D]
             out = attend(q, keys, values, mask, self.scaling)  # [B, heads, T, D]
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self.reduce(attn.o_proj(out.transpose(1, 2).reshape(b, t, -1)))
+            x = x + self.reduce(layer.mlp(layer.post_attention_layernorm(x)))
             if feature_layers is not None and i in feature_layers and i != last:
                 kept[i] = x
         x = self.norm(x)

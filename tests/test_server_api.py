@@ -319,7 +319,8 @@ def test_a_compiled_engine_is_ready_after_its_compile_and_logs_its_seconds_once(
     assert len(compiled) == 1, compiled
     # One span bucket: the whole block table, 2048 context + 16 drafter columns in 16-token blocks.
     assert re.fullmatch(
-        r"engine compiled in \d+\.\d s: batch buckets 1, node buckets 17, span buckets 2064", compiled[0]
+        r"engine compiled in \d+\.\d s: batch buckets 1, node buckets 17, span buckets 2064, attention sdpa",
+        compiled[0],
     )
 
 

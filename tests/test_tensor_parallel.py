@@ -1,0 +1,228 @@
+"""Tensor parallelism (Megatron-LM's split of the target): two gloo ranks on the CPU, each with half the
+heads, half the KV cache and half the MLP, match the unsharded forward's hidden states, drafter features,
+logits and greedy tokens; a target whose heads do not split evenly is refused in one line."""
+
+from __future__ import annotations
+
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from ddtree.errors import DDTreeError
+from ddtree.forward import TargetForward
+from ddtree.kv_cache import PagedKVCache
+from ddtree.tensor_parallel import TPGroup, shard_target
+from tests.conftest import tiny_target
+
+WORLD = 2
+ARCHS = ("qwen3", "qwen2", "llama")  # qwen2: q/k/v biases; llama (as built here): o_proj and MLP biases too
+PROMPTS = [[5, 17, 230, 999, 4, 61, 8], [42, 3, 700]]  # right-padded into one prefill
+STEPS = 4  # greedy steps after the prefill
+FEATURE_LAYERS = [0, 1]
+TIMEOUT = 90  # seconds for both ranks, start-up included; a hung collective fails the test
+
+
+def small_target(arch: str) -> nn.Module:
+    """The same 2-layer float32 target in every process (GQA 4/2, head_dim 32, vocab 1000), its biases
+    random: HF initialises them to zero, which would hide a bias sliced or summed wrong."""
+    torch.manual_seed(0)
+    fields = dict(
+        vocab_size=1000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=64,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    if arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**fields))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**fields))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**fields, attention_bias=True, mlp_bias=True))
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                module.bias.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def greedy(model: nn.Module, forward: TargetForward) -> dict[str, torch.Tensor]:
+    """A right-padded prefill of ``PROMPTS`` over a paged KV cache (laid out for ``forward``'s KV heads),
+    then ``STEPS`` greedy steps: the prefill's final hidden states and drafter features, every step's
+    logits and tokens."""
+    b, bs, width = len(PROMPTS), 16, 2
+    cache = PagedKVCache(
+        len(forward.layers),
+        1 + b * width,
+        bs,
+        width,
+        forward.num_kv_heads,
+        forward.head_dim,
+        torch.float32,
+        "cpu",
+    )
+    tables = torch.zeros(b, width + 1, dtype=torch.int64)  # [B, width + 1]; the last entry: scratch
+    tables[:, :width] = 1 + torch.arange(b * width).view(b, width)  # block 0 is the scratch block
+    span = cache.capacity
+    keys = torch.arange(span)  # [span]
+    lengths = torch.tensor([len(p) for p in PROMPTS])  # [B]
+    ids = torch.zeros(b, int(lengths.max()), dtype=torch.int64)  # [B, P]
+    for i, prompt in enumerate(PROMPTS):
+        ids[i, : len(prompt)] = torch.tensor(prompt)
+    positions = torch.arange(ids.shape[1]).expand(b, -1)  # [B, P]
+    ends = lengths[:, None]  # [B, 1]
+    cols = torch.where(positions < ends, positions, cache.scratch)  # padding writes the scratch column
+    mask = ((keys <= positions[:, :, None]) & (keys < ends[:, :, None]))[:, None]  # [B, 1, P, span]
+    rows = torch.arange(b)
+    with torch.inference_mode():
+        hidden, features = forward(ids, positions, cache.at(tables, cols, span), mask, FEATURE_LAYERS)
+        logits = [model.lm_head(hidden[rows, lengths - 1])]  # [B, V] each
+        tokens = [logits[-1].argmax(-1)]  # [B] each
+        for step in range(STEPS):
+            pos = (lengths + step)[:, None]  # [B, 1]: the column of the token just chosen
+            step_mask = (keys <= pos[:, :, None])[:, None]  # [B, 1, 1, span]
+            h, _ = forward(tokens[-1][:, None], pos, cache.at(tables, pos, span), step_mask)
+            logits.append(model.lm_head(h[:, 0]))
+            tokens.append(logits[-1].argmax(-1))
+    return {
+        "hidden": hidden,  # [B, P, H]
+        "features": features,  # [B, P, F * H]
+        "logits": torch.stack(logits, 1),  # [B, STEPS + 1, V]
+        "tokens": torch.stack(tokens, 1),  # [B, STEPS + 1]
+        "kv_heads": torch.tensor(forward.num_kv_heads),
+    }
+
+
+def rank_main(rank: int, port: int, out: str) -> None:
+    """One rank: shard each target, decode, save what it saw for the parent to compare."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=TIMEOUT),
+    )
+    try:
+        results = {}
+        for arch in ARCHS:
+            model = small_target(arch)
+            shard_target(model, rank, WORLD)
+            results[arch] = greedy(model, TargetForward(model, TPGroup(rank, WORLD)))
+        torch.save(results, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    """Every rank's results, from one spawn of ``WORLD`` gloo processes (a rank that raises fails here with
+    its traceback; one that hangs is killed at ``TIMEOUT``)."""
+    out = tmp_path_factory.mktemp("tp")
+    context = mp.start_processes(
+        rank_main, args=(free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                pytest.fail(f"the {WORLD} tensor-parallel ranks did not finish within {TIMEOUT} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sharded_forward_matches_the_unsharded_one(ranks, arch):
+    model = small_target(arch)
+    expected = greedy(model, TargetForward(model))
+    for rank, results in enumerate(ranks):
+        got = results[arch]
+        assert int(got["kv_heads"]) == model.config.num_key_value_heads // WORLD  # its cache: half the heads
+        for name in ("hidden", "features", "logits"):
+            diff = (got[name] - expected[name]).abs().max().item()
+            assert diff <= 1e-4, f"rank {rank}'s {name} differ from the unsharded forward's by {diff}"
+        assert torch.equal(got["tokens"], expected["tokens"])
+    # the all-reduces leave one residual stream: every rank's is the same, bit for bit
+    assert all(torch.equal(r[arch]["hidden"], ranks[0][arch]["hidden"]) for r in ranks)
+
+
+def test_shards_keep_their_heads_slice_and_one_copy_of_each_bias():
+    full = small_target("llama")
+    attn, mlp = full.model.layers[0].self_attn, full.model.layers[0].mlp
+    for rank in range(WORLD):
+        model = small_target("llama")
+        shard_target(model, rank, WORLD)
+        a, m = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        q, kv, inter = 64, 32, 128  # 2 of 4 heads, 1 of 2 KV heads (head_dim 32), 128 of 256 units
+        assert torch.equal(a.q_proj.weight, attn.q_proj.weight[rank * q : (rank + 1) * q])
+        assert torch.equal(a.k_proj.bias, attn.k_proj.bias[rank * kv : (rank + 1) * kv])
+        assert torch.equal(a.o_proj.weight, attn.o_proj.weight[:, rank * q : (rank + 1) * q])
+        assert torch.equal(m.up_proj.weight, mlp.up_proj.weight[rank * inter : (rank + 1) * inter])
+        assert torch.equal(m.down_proj.weight, mlp.down_proj.weight[:, rank * inter : (rank + 1) * inter])
+        assert (a.o_proj.bias is not None, m.down_proj.bias is not None) == (rank == 0, rank == 0)
+
+
+@pytest.mark.parametrize(
+    ("world", "message"),
+    [
+        (3, r"num_attention_heads \(4\) and num_key_value_heads \(2\) divisible by 3"),
+        (4, r"num_key_value_heads \(2\) divisible by 4"),
+    ],
+)
+def test_heads_that_do_not_split_evenly_are_refused_in_one_line(world, message):
+    target = tiny_target()  # 4 heads, 2 KV heads
+    with pytest.raises(DDTreeError, match=message) as info:
+        shard_target(target, 0, world)
+    assert "\n" not in str(info.value)
+    assert target.model.layers[0].self_attn.q_proj.out_features == 4 * 16  # left whole
+
+
+def test_a_mixture_of_experts_mlp_is_refused_in_one_line():
+    config = Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    with pytest.raises(DDTreeError, match="dense MLPs") as info:
+        shard_target(Qwen3MoeForCausalLM(config), 0, WORLD)
+    assert "\n" not in str(info.value)

@@ -42,9 +42,12 @@ class StageClock:
         self.marks.append((name, start, self._point()))
 
     def seconds(self) -> dict[str, float]:
-        """Each stage's seconds (zeros when disabled). Call once the device has passed the marks: after
-        the round's sync an event's ``elapsed_time`` waits for nothing."""
+        """Each stage's seconds (zeros when disabled), read after the round's sync: every mark before it
+        has passed, and the stream has nothing left to run before the last one (``elapsed_time`` fails on
+        an event the device has not reached)."""
         out = dict.fromkeys(STAGES, 0.0)
+        if self.events and self.marks:  # the last mark was recorded after the sync: let the stream pass it
+            self.marks[-1][2].synchronize()
         for name, start, end in self.marks:
             out[name] += start.elapsed_time(end) / 1e3 if self.events else end - start
         return out

@@ -90,13 +90,13 @@ def verify_cost(device: str, layers: int, hidden: int, repeats: int) -> list[dic
                         start = torch.cuda.Event(enable_timing=True)
                         end = torch.cuda.Event(enable_timing=True)
                         start.record()
-                        runner.verify_forward(*batch.forward_args(), False)
+                        runner.verify(*batch.forward_args(False))
                         end.record()
                         end.synchronize()
                         seconds = start.elapsed_time(end) / 1e3
                     else:
                         t = time.perf_counter()
-                        runner.verify_forward(*batch.forward_args(), False)
+                        runner.verify(*batch.forward_args(False))
                         seconds = time.perf_counter() - t
                     if i >= 2:  # two warm-ups
                         times.append(seconds)

@@ -98,4 +98,4 @@ class AutoBudget:
         """Seed the cost model with a few timed forwards (they write only the scratch block)."""
         self._costs_measured = True
         for tokens in (1, 8, 32, 8, 1, 32):
-            self.cost.verify.observe(tokens, self.runner.timed_forward(tokens, self.now))
+            self.cost.verify.observe(tokens, self.runner.timed_forward(tokens))

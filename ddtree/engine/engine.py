@@ -39,6 +39,7 @@ from ddtree.engine.clock import StageClock
 from ddtree.engine.memory import CacheConfig
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.proposer import Proposer
+from ddtree.engine.ranks import StepChannel, check_world, close_channel, start_tensor_parallel
 from ddtree.engine.request import GenerationResult, GenerationStats, Request, StreamDelta
 from ddtree.engine.scheduler import Chunk, Scheduler
 from ddtree.engine.verifier import Verifier, delta_of
@@ -46,6 +47,7 @@ from ddtree.errors import DDTreeError
 from ddtree.models import (
     DEFAULT_DRAFTER,
     DEFAULT_TARGET,
+    check_device,
     check_pair,
     check_target_attention,
     eos_token_ids,
@@ -101,7 +103,10 @@ class Engine:
         span_buckets: list[int] | None = None,
         attention: str = "sdpa",
         profile: bool = False,
+        channel: StepChannel | None = None,
     ) -> None:
+        """``channel``: rank 0's step channel when ``target`` is its tensor-parallel shard (built by
+        ``from_pretrained(tensor_parallel_size=N)``, which starts the other ranks)."""
         self.target = target.eval()
         self.tokenizer = tokenizer
         if drafter is not None:
@@ -155,6 +160,7 @@ class Engine:
             cache_config,
             max_model_len is not None,
             draft_dtype,
+            channel=channel,
         )
         self.max_model_len = self.runner.max_model_len  # lowered to what the KV budget holds, if unset
         self.blocks = BlockManager(self.runner.num_blocks, block_size)
@@ -183,22 +189,75 @@ class Engine:
         topk: int | None = None,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "auto",
+        tensor_parallel_size: int = 1,
         **engine_options,
     ) -> Engine:
         """Load a target (and drafter) from local directories; with neither, the built-in pair.
 
         ``dtype`` "auto" is the checkpoint's, except a small bf16 / fp16 model on a CPU without native bf16
-        matmuls, where float32 is faster (``docs/models.md``)."""
+        matmuls, where float32 is faster (``docs/models.md``).
+
+        ``tensor_parallel_size`` N > 1 shards the target over N ranks (``ddtree.engine.ranks``): this
+        process is rank 0 and spawns ranks 1..N-1 (gloo on the CPU; NCCL on GPUs 0..N-1), or, started by
+        torchrun, joins its ranks; there a rank other than 0 serves rank 0's steps and exits when it stops.
+        ``close()`` (or ``with``) ends them."""
         if target_dir is None and drafter_dir is None:
             target_dir, drafter_dir = DEFAULT_TARGET, DEFAULT_DRAFTER
         check_engine_options(method, budget, topk, drafter_dir is not None)  # fail before loading weights
+        device = check_device(device)
+        check_world(tensor_parallel_size, device)
         max_model_len = engine_options.get("max_model_len")
-        target, tokenizer = load_target(target_dir, device=device, dtype=dtype, max_model_len=max_model_len)
-        drafter = None
-        if drafter_dir is not None:
-            dtype = next(target.parameters()).dtype  # "auto" resolved
-            drafter = load_drafter(drafter_dir, max_model_len).to(device=device, dtype=dtype)
-        return cls(target, drafter, tokenizer, method=method, budget=budget, topk=topk, **engine_options)
+        channel = None
+        if tensor_parallel_size > 1:
+            target, tokenizer, channel = start_tensor_parallel(
+                target_dir, dtype, device, max_model_len, tensor_parallel_size
+            )
+            device = channel.device
+        else:
+            target, tokenizer = load_target(
+                target_dir, device=device, dtype=dtype, max_model_len=max_model_len
+            )
+        try:
+            drafter = None
+            if drafter_dir is not None:
+                dtype = next(target.parameters()).dtype  # "auto" resolved
+                drafter = load_drafter(drafter_dir, max_model_len).to(device=device, dtype=dtype)
+            engine = cls(
+                target, drafter, tokenizer, method=method, budget=budget, topk=topk, channel=channel,
+                **engine_options,
+            )  # fmt: skip
+        except BaseException:
+            if channel is not None:
+                close_channel(channel)
+            raise
+        if channel is not None and channel.ranks is not None:
+            channel.ranks.watch()
+        return engine
+
+    # -- tensor parallelism ------------------------------------------------------------------------------
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        channel = self.runner.channel
+        return 1 if channel is None else channel.tp.world_size
+
+    def watch_ranks(self, callback) -> None:
+        """Call ``callback(reason)`` (from a watcher thread) if a tensor-parallel rank dies."""
+        channel = self.runner.channel
+        if channel is not None and channel.ranks is not None:
+            channel.ranks.callbacks.append(callback)
+            if channel.ranks.failure is not None:
+                callback(channel.ranks.failure)
+
+    def close(self) -> None:
+        """End the other tensor-parallel ranks (nothing to do in one process); the engine runs no more."""
+        self.runner.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- what the parts own, as attributes callers already use ---------------------------------------------
 
@@ -237,7 +296,7 @@ class Engine:
                 for n in runner.node_buckets:
                     batch = self.verifier.inputs([], None, shape=(b, n, span))
                     for _ in range(replays):
-                        runner.verify_forward(*batch.forward_args(True))
+                        runner.verify(*batch.forward_args(True))
                 if self.drafter is not None:
                     bs, tables = self.drafter.block_size, runner.block_tables([], b)
                     for _ in range(replays):
@@ -519,7 +578,7 @@ class Engine:
         with clock.stage("verify"):
             # Features whenever a row drafts, and always with fixed shapes (one graph per shape).
             want = self.runner.fixed_shapes or any(r.drafts for r in rows)
-            hidden, features = self.runner.verify_forward(*batch.forward_args(want))
+            hidden, features = self.runner.verify(*batch.forward_args(want))
             hidden = hidden[: batch.rows, : batch.nodes]  # [B, N, H] (padded with fixed shapes)
             features = None if features is None else features[: batch.rows, : batch.nodes]  # [B, N, F * H]
         with clock.stage("accept"):
@@ -552,6 +611,4 @@ class Engine:
     def _now(self) -> float:
         """The host clock once the device has caught up (the prefill's end, the auto budget's calibration
         forwards); a round's stages use ``StageClock`` instead, which does not wait."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+        return self.runner.now()

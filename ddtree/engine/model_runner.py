@@ -5,11 +5,16 @@ here; nothing here decides who runs.
 Three forwards: the prefill (a batch of prompt chunks, any shape), the round's verify forward (every row's
 tree) and the drafter pass. With fixed shapes the last two run at a few padded shapes
 (``ddtree.capture``), each compiled (CUDA graphs on CUDA) and warmed up once at start-up.
+
+Under tensor parallelism (``ddtree.engine.ranks``) rank 0's runner holds the drafter, the LM head and its
+shard of the target; every other rank's runner (``ModelRunner.worker``) holds its shard alone, and the
+``@replicated`` methods, which touch the target, run on every rank with the same arguments.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 
 import numpy as np
 import torch
@@ -27,8 +32,10 @@ from ddtree.capture import (
     pick,
     tree_mask,
 )
+from ddtree.commit import pack_accepted
 from ddtree.drafter import DFlashDrafter
-from ddtree.engine.memory import CacheConfig, activation_bytes, plan_kv
+from ddtree.engine.memory import CacheConfig, KVPlan, activation_bytes, plan_kv
+from ddtree.engine.ranks import StepChannel, close_channel, replicated
 from ddtree.engine.request import Request
 from ddtree.errors import DDTreeError
 from ddtree.forward import TargetForward
@@ -80,25 +87,33 @@ class ModelRunner:
         cache_config: CacheConfig,
         explicit_len: bool,
         draft_dtype: torch.dtype | None = None,
+        channel: StepChannel | None = None,
+        pool: tuple[KVPlan, int] | None = None,
     ) -> None:
+        """``channel``: this rank's step channel under tensor parallelism (``target`` is then its shard);
+        ``pool``: a worker rank's KV plan and drafter block, rank 0's (its pool has the same blocks)."""
         self.target = target
+        self.channel = channel
         self.device = next(target.parameters()).device
         self.dtype = next(target.parameters()).dtype
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
-        self.forward = TargetForward(target)
+        self.forward = TargetForward(target, None if channel is None else channel.tp)
         self.head_floor_rows = head_floor_rows(self.device, self.lm_head.weight)
         # The drafter only proposes tokens, so rounding in its matmuls cannot change what is emitted. Its
         # LM head (a copy of the target's) and its MLPs, the largest matmuls of a draft pass, run in
         # `draft_dtype`: bf16 reads half the bytes and runs natively where supported (attention and norms
         # stay in the model's dtype: bf16 is slower there on CPUs).
         draft_dtype = draft_dtype or fast_low_precision(self.device)
-        self.draft_head = self.lm_head.weight.detach().to(draft_dtype)  # [V, H]
-        self.draft_head_bias = (
-            None if self.lm_head.bias is None else self.lm_head.bias.detach().to(draft_dtype)
-        )
         self.drafter = None if drafter is None else with_mlp_dtype(drafter.eval(), draft_dtype)
+        self.draft_head = self.draft_head_bias = None
+        if self.drafter is not None:
+            self.draft_head = self.lm_head.weight.detach().to(draft_dtype)  # [V, H]
+            if self.lm_head.bias is not None:
+                self.draft_head_bias = self.lm_head.bias.detach().to(draft_dtype)
         self.draft_block = 0 if drafter is None else drafter.block_size  # columns a pass writes after
+        if pool is not None:
+            self.draft_block = pool[1]  # rank 0's: the block tables it sends have its width
         bs = cache_config.block_size
         self.block_size = bs
         layouts = [(len(self.forward.layers), self.forward.num_kv_heads, self.forward.head_dim, self.dtype)]
@@ -126,16 +141,19 @@ class ModelRunner:
                 self.forward.head_dim,
             )
 
-        plan = plan_kv(
-            cache_config,
-            self.device,
-            self.block_bytes,
-            width,
-            activations,
-            max_num_seqs,
-            max_model_len,
-            explicit_len,
-        )
+        if pool is None:
+            plan = plan_kv(
+                cache_config,
+                self.device,
+                self.block_bytes,
+                width,
+                activations,
+                max_num_seqs,
+                max_model_len,
+                explicit_len,
+            )
+        else:
+            plan = pool[0]
         self.num_blocks, self.max_model_len = plan.num_blocks, plan.max_model_len
         self.width = width(self.max_model_len)
         caches = [
@@ -153,6 +171,41 @@ class ModelRunner:
         self.draft_forward = self.draft_forward_eager
         self.attention = "sdpa"
         self.block_masks: dict[tuple[int, int, int], PagedBlockMask] = {}  # (pool, rows, queries) -> mask
+        if channel is not None and channel.leader:  # the other ranks build their runners like this one
+            args = (max_num_seqs, max_num_batched_tokens, max_nodes, cache_config, plan, self.draft_block)
+            channel.send("init", args)
+
+    @classmethod
+    def worker(
+        cls,
+        target,
+        channel: StepChannel,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_nodes: int,
+        cache_config: CacheConfig,
+        plan: KVPlan,
+        draft_block: int,
+    ) -> ModelRunner:
+        """A rank other than 0: its shard of the target and of the KV pool (rank 0's blocks and widths)."""
+        return cls(
+            target,
+            None,
+            max_num_seqs,
+            plan.max_model_len,
+            max_num_batched_tokens,
+            max_nodes,
+            cache_config,
+            True,
+            channel=channel,
+            pool=(plan, draft_block),
+        )
+
+    def close(self) -> None:
+        """Rank 0 under tensor parallelism: end the other ranks (``ranks.close_channel``); then a no-op."""
+        channel, self.channel = self.channel, None
+        if channel is not None and channel.leader:
+            close_channel(channel)
 
     def span(self, needed: int) -> int:
         """Columns attention reads for ``needed``: whole blocks (with fixed shapes, a span bucket)."""
@@ -172,6 +225,7 @@ class ModelRunner:
                 tables[i, : len(r.blocks)] = r.blocks
         return tables
 
+    @replicated
     def setup_shapes(
         self,
         compile: bool,
@@ -230,6 +284,7 @@ class ModelRunner:
                 "start the engine with node_buckets that hold it"
             )
 
+    @replicated
     def prefill(
         self, chunks: list[tuple[list[int], int]], tables: np.ndarray, features: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -255,8 +310,10 @@ class ModelRunner:
         # chunk (finite, never read).
         mask = ((keys <= positions_t[:, :, None]) & (keys < ends_t[:, :, None]))[:, None]  # [B, 1, P, span]
         write = self.cache.at(tables_t, cols_t, span)
-        feature_layers = self.drafter.target_layer_ids if features else None
+        feature_layers = self.drafter.target_layer_ids if features and self.drafter is not None else None
         hidden, feats = self.forward(ids_t, positions_t, write, mask, feature_layers)  # [B, P, H]
+        if self.channel is not None and not self.channel.leader:
+            return None, None  # rank 0 alone reads the logits
         last = torch.from_numpy(lengths - 1).to(device)
         return self.lm_head(hidden[torch.arange(b, device=device), last]), feats  # [B, V], [B, P, F * H]
 
@@ -276,6 +333,30 @@ class ModelRunner:
         if key not in self.block_masks:
             self.block_masks[key] = PagedBlockMask(cache, tables.shape[0], queries, self.device)
         return self.block_masks[key].update(tables, starts, tree)
+
+    @replicated
+    def verify(
+        self,
+        ids: torch.Tensor,  # [B, N]
+        positions: torch.Tensor,  # [B, N]
+        cols: torch.Tensor,  # [B, N]
+        starts: torch.Tensor,  # [B]
+        anc: torch.Tensor,  # [B, N, N]
+        tables: torch.Tensor,  # [B, width + 1]
+        span: int,
+        features: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The round's target forward (``verify_forward``: compiled with fixed shapes), through this round's
+        flex block mask when ``attention="flex"``."""
+        block_mask = self.block_mask(self.cache, tables, starts, anc, ids.shape[1])
+        return self.verify_forward(ids, positions, cols, starts, anc, tables, span, features, block_mask)
+
+    @replicated
+    def pack(
+        self, tables: torch.Tensor, starts: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor
+    ) -> None:
+        """Each row's accepted keys/values right after its committed tokens (``commit.pack_accepted``)."""
+        pack_accepted(self.cache, tables, starts, path, lengths)
 
     def verify_forward_eager(
         self,
@@ -323,9 +404,17 @@ class ModelRunner:
             write, mask = self.draft_cache.at(tables, cols, None), block_mask
         return self.drafter(self.embed(block), features, block_positions, ctx_positions, write, mask)
 
-    def timed_forward(self, tokens: int, now) -> float:
+    def now(self) -> float:
+        """The host clock once the device has caught up."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    @replicated
+    def timed_forward(self, tokens: int) -> float:
         """Seconds of a ``tokens``-token forward that writes only the scratch block (the auto budget's
         cost model)."""
+        now = self.now
         ids = torch.zeros(1, tokens, dtype=torch.int64, device=self.device)
         cols = torch.arange(tokens, device=self.device)[None]
         tables = torch.zeros(1, self.width + 1, dtype=torch.int64, device=self.device)

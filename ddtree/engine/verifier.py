@@ -11,10 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.nn.attention.flex_attention import BlockMask
 
 from ddtree.capture import pick
-from ddtree.commit import pack_accepted, token_logprobs
+from ddtree.commit import token_logprobs
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Request, StreamDelta
 from ddtree.sampling import SamplingTensors, filtered_probs, inverse_cdf, sample_tree_batch
@@ -47,14 +46,10 @@ class VerifyBatch:
     span: int  # columns attention reads: max_b (start_b + N_b) in whole blocks, or a span bucket
     rows: int  # real rows (the first ``rows`` of the batch)
     nodes: int  # real nodes of the widest tree
-    block_mask: BlockMask | None = None  # attention="flex": each row's own blocks (the span is unused)
 
     def forward_args(self, features: bool) -> tuple:
-        """The verify forward's inputs, in ``ModelRunner.verify_forward``'s order."""
-        return (
-            self.ids, self.positions, self.cols, self.starts, self.anc, self.tables, self.span, features,
-            self.block_mask,
-        )  # fmt: skip
+        """The verify forward's inputs, in ``ModelRunner.verify``'s order."""
+        return self.ids, self.positions, self.cols, self.starts, self.anc, self.tables, self.span, features
 
 
 class Verifier:
@@ -126,9 +121,7 @@ class Verifier:
             anc=anc,
             tables=self.runner.block_tables(rows, bp),
         )
-        _, _, _, starts_t, anc, tables = tensors
-        mask = self.runner.block_mask(self.runner.cache, tables, starts_t, anc, np_)
-        return VerifyBatch(*tensors, span=span, rows=b, nodes=n, block_mask=mask)
+        return VerifyBatch(*tensors, span=span, rows=b, nodes=n)
 
     def accept(self, rows: list[Request], trees: TreeBatch, hidden: torch.Tensor) -> Accepted:
         """Every row's verdict on the device, from the final hidden states [B, N, H]: greedy rows by
@@ -228,7 +221,7 @@ class Verifier:
         finished). Returns the deltas and the verdicts."""
         b, steps = accepted.path.shape
         starts = self.runner.inputs.upload(np.array([r.start for r in rows], dtype=np.int64))  # [B]
-        pack_accepted(self.runner.cache, tables[:b], starts, accepted.path, accepted.lengths)
+        self.runner.pack(tables[:b], starts, accepted.path, accepted.lengths)
         kept = None
         if features is not None and any(r.drafts for r in rows):  # [B, S, F * H], a fresh tensor
             kept = features.gather(1, accepted.path[..., None].expand(-1, -1, features.shape[-1]))

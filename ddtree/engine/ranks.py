@@ -1,0 +1,412 @@
+"""Tensor-parallel ranks: starting them, rank 0's plan for each step, and the other ranks' loop.
+
+Rank 0 is the process the user started. It runs the whole engine: the scheduler, the drafter, the trees,
+the LM head, acceptance and every coin. Each other rank holds only its shard of the target
+(``ddtree.tensor_parallel.shard_target``) and its shard of the target's KV pool (its KV heads, the same
+blocks). Every call of the model runner that touches the target (prefill, the verify forward, packing the
+accepted KV, a timed forward, the start-up shapes) is first sent by rank 0 over a ``StepChannel``; the
+other ranks make the same call with the same shapes, and the forwards' all-reduces pair up. The drafter's
+pass and everything after the target's hidden states run on rank 0 alone, so its sampling, trees and
+outputs are the single-process engine's.
+
+A step's message is a header (the call's name, its host values, the shapes and dtypes of its tensors),
+broadcast as a pickled object over a gloo group, then one broadcast of all its tensors' bytes over the
+data group (gloo on CPUs, NCCL on GPUs, so the round's tensors never visit the host). The other ranks wait
+for headers on a group with no practical timeout: a server may sit idle for days.
+
+Two ways to start: ``Engine.from_pretrained(tensor_parallel_size=N)`` (``--tensor-parallel-size N``)
+spawns ranks 1..N-1 on this machine; under ``torchrun`` (one process a rank, on one node or several
+through its rendezvous) every process runs the same command and the ranks other than 0 turn into workers
+(``run_torchrun_worker``). A spawned rank that dies is noticed by a watcher thread on rank 0, which tells
+the engine's owner (the server answers ``/ready`` 503 and exits non-zero); rank 0 dying closes the
+workers' sockets, and they exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import logging
+import multiprocessing
+import os
+import pickle
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+
+from ddtree.errors import DDTreeError
+from ddtree.tensor_parallel import TPGroup, shard_target
+
+log = logging.getLogger("ddtree.tp")
+
+DATA_TIMEOUT = timedelta(minutes=10)  # a collective inside a step: a peer that stops answering is dead
+IDLE_TIMEOUT = timedelta(days=365)  # waiting for rank 0's next step: an idle server is not a failure
+STOP = "stop"  # the call that ends a worker's loop
+
+
+ALIGN = 16  # bytes: every tensor in a step's payload starts at a multiple of this
+
+
+def padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class TensorParallelError(DDTreeError):
+    """A rank failed to start or died: the engine cannot run any more."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Where a tensor argument stood in a call, and what the receiving rank allocates for it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class ChannelStats:
+    """What rank 0 has sent: calls, collectives (header size, header, payload) and bytes."""
+
+    calls: int = 0
+    collectives: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class StepChannel:
+    """Rank 0 sends each replicated model-runner call; the other ranks receive it and make it too."""
+
+    tp: TPGroup
+    device: torch.device
+    control: dist.ProcessGroup  # gloo: pickled headers, waited on without a practical timeout
+    stats: ChannelStats = field(default_factory=ChannelStats)
+    ranks: RankSet | None = None  # rank 0 of spawned ranks: the processes and their watcher
+
+    @property
+    def leader(self) -> bool:
+        return self.tp.rank == 0
+
+    def send(self, name: str, args: tuple) -> None:
+        """Rank 0: broadcast the call ``name(*args)``; tensors travel as one byte buffer on the device."""
+        if self.ranks is not None:
+            self.ranks.check()
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        header = (name, tuple(TensorSpec(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
+                              for a in args))  # fmt: skip
+        size = self._broadcast_header(header)
+        self.stats.calls += 1
+        self.stats.collectives += 2
+        self.stats.bytes += size
+        if tensors:
+            parts = []
+            for t in tensors:  # each part padded to ALIGN bytes, so the receiver can view it as its dtype
+                data = t.contiguous().reshape(-1).view(torch.uint8)
+                parts += [data, data.new_zeros(padded(data.numel()) - data.numel())]
+            payload = torch.cat(parts)
+            dist.broadcast(payload, src=0, group=self.tp.group)
+            self.stats.collectives += 1
+            self.stats.bytes += payload.numel()
+
+    def recv(self) -> tuple[str, tuple]:
+        """Another rank: the next call and its arguments (tensors on this rank's device)."""
+        name, specs = self._broadcast_header(None)
+        tensor_specs = [s for s in specs if isinstance(s, TensorSpec)]
+        if not tensor_specs:
+            return name, specs
+        sizes = [torch.Size(s.shape).numel() * s.dtype.itemsize for s in tensor_specs]
+        payload = torch.empty(sum(map(padded, sizes)), dtype=torch.uint8, device=self.device)
+        dist.broadcast(payload, src=0, group=self.tp.group)
+        parts = iter(payload.split([n for size in sizes for n in (size, padded(size) - size)]))
+
+        def unpack(spec: TensorSpec) -> torch.Tensor:
+            data = next(parts)
+            next(parts)  # its padding
+            return data.view(spec.dtype).view(spec.shape)
+
+        args = tuple(unpack(s) if isinstance(s, TensorSpec) else s for s in specs)
+        return name, args
+
+    def _broadcast_header(self, header) -> object:
+        """The pickled header from rank 0 (its size first, then its bytes); rank 0 gets the byte count."""
+        data = pickle.dumps(header) if self.leader else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.control)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.leader else None
+        if buf is None:
+            buf = torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(buf, src=0, group=self.control)
+        return len(data) + 8 if self.leader else pickle.loads(buf.numpy().tobytes())
+
+
+def replicated(method: Callable) -> Callable:
+    """A ``ModelRunner`` method every rank runs: on rank 0 it first sends its name and arguments (which
+    must be tensors or picklable host values), so the other ranks make the same call."""
+
+    signature = inspect.signature(method)
+
+    def call(self, *args, **kwargs):
+        channel = self.channel
+        if channel is not None and channel.leader:
+            args = signature.bind(self, *args, **kwargs).args[1:]  # keywords as positions: one header shape
+            kwargs = {}
+            channel.send(method.__name__, args)
+        return method(self, *args, **kwargs)
+
+    call.__name__, call.__doc__, call.__wrapped__ = method.__name__, method.__doc__, method
+    REPLICATED.add(method.__name__)
+    return call
+
+
+REPLICATED: set[str] = set()  # the calls a worker accepts
+
+
+def serve_steps(channel: StepChannel, make_runner: Callable[[tuple], object]) -> None:
+    """A rank other than 0: build its model runner from rank 0's first message, then make every call rank
+    0 sends until it sends STOP."""
+    name, args = channel.recv()
+    if name == STOP:  # rank 0 gave up before its engine was built
+        return
+    if name != "init":
+        raise TensorParallelError(f"rank {channel.tp.rank} expected rank 0's 'init', got {name!r}")
+    runner = make_runner(args)
+    with torch.inference_mode():
+        while True:
+            name, args = channel.recv()
+            if name == STOP:
+                return
+            if name not in REPLICATED:
+                raise TensorParallelError(f"rank {channel.tp.rank} got an unknown call {name!r}")
+            getattr(runner, name)(*args)
+
+
+# -- starting ranks ---------------------------------------------------------------------------------------
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """The device of a rank: the CPU, or the GPU of its local rank (set as the current one for NCCL)."""
+    if device.type != "cuda":
+        return device
+    if local_rank >= torch.cuda.device_count():
+        raise TensorParallelError(
+            f"tensor-parallel rank {local_rank} needs GPU {local_rank}; this machine has "
+            f"{torch.cuda.device_count()}"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def connect(rank: int, world_size: int, device: torch.device, init_method: str) -> StepChannel:
+    """Join the process group (every rank calls this) and open the step channel."""
+    dist.init_process_group(
+        backend_for(device), init_method=init_method, rank=rank, world_size=world_size, timeout=DATA_TIMEOUT
+    )
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    return StepChannel(TPGroup(rank, world_size, dist.group.WORLD), device, control)
+
+
+def torchrun_rank() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when this process was started by torchrun, else None."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def check_world(world_size: int, device: torch.device) -> None:
+    """``--tensor-parallel-size`` against the launcher and the device, before anything loads."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise DDTreeError(f"tensor_parallel_size must be an integer >= 1, got {world_size!r}")
+    launched = torchrun_rank()
+    if launched is not None and world_size > 1 and launched[1] != world_size:
+        raise DDTreeError(
+            f"--tensor-parallel-size {world_size} under torchrun needs {world_size} processes; "
+            f"it started {launched[1]}"
+        )
+    if world_size > 1 and device.type == "cuda" and device.index not in (None, 0) and launched is None:
+        raise DDTreeError(
+            f"with --tensor-parallel-size {world_size} rank r runs on cuda:r; give --device cuda, "
+            f"not {device}"
+        )
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """What a spawned rank needs to load its shard, the same way rank 0 loads the target."""
+
+    target_dir: str
+    dtype: str | torch.dtype
+    device: str
+    max_model_len: int | None
+    threads: int
+
+
+def load_shard(spec: ShardSpec, rank: int, world_size: int, device: torch.device):
+    from ddtree.models import load_target  # here: models imports transformers, which rank 0 has already
+
+    target, _ = load_target(
+        spec.target_dir, device=device, dtype=spec.dtype, max_model_len=spec.max_model_len
+    )
+    shard_target(target, rank, world_size)
+    return target
+
+
+def spawned_rank_main(rank: int, world_size: int, init_method: str, spec: ShardSpec, pipe) -> None:
+    """A spawned rank: load and shard the target, say so to rank 0, join, serve its steps."""
+    from ddtree.engine.model_runner import ModelRunner
+
+    torch.set_num_threads(spec.threads)
+    try:
+        device = rank_device(torch.device(spec.device), rank)
+        target = load_shard(spec, rank, world_size, device)
+    except BaseException as exc:  # rank 0 reports it in one line
+        pipe.send(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        sys.exit(1)
+    pipe.send(None)
+    pipe.close()
+    channel = connect(rank, world_size, device, init_method)
+    try:
+        serve_steps(channel, lambda args: ModelRunner.worker(target, channel, *args))
+    except (RuntimeError, TensorParallelError) as exc:  # rank 0 went away mid-collective
+        print(f"ddtree: tensor-parallel rank {rank}: {str(exc).splitlines()[0]}", file=sys.stderr)
+        sys.exit(1)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankSet:
+    """Rank 0's spawned ranks 1..N-1: started before rank 0 loads its own shard, watched until closed."""
+
+    def __init__(self, world_size: int, spec: ShardSpec) -> None:
+        self.world_size = world_size
+        self.init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.failure: str | None = None
+        self.closing = False
+        self.callbacks: list[Callable[[str], None]] = []
+        context = multiprocessing.get_context("spawn")
+        self.pipes, self.processes = [], []
+        for rank in range(1, world_size):
+            ours, theirs = context.Pipe(duplex=False)
+            process = context.Process(
+                target=spawned_rank_main,
+                args=(rank, world_size, self.init_method, spec, theirs),
+                name=f"ddtree-tp-rank{rank}",
+                daemon=True,
+            )
+            process.start()
+            theirs.close()
+            self.pipes.append(ours)
+            self.processes.append(process)
+        atexit.register(self.close, 0.0)  # an engine never closed: its ranks wait for a step that won't come
+
+    def wait_loaded(self) -> None:
+        """Every rank has loaded its shard; else a one-line error naming the rank and why."""
+        for rank, (pipe, process) in enumerate(zip(self.pipes, self.processes, strict=True), start=1):
+            wait([pipe, process.sentinel])
+            try:
+                message = pipe.recv()
+            except EOFError:  # it died without a word (killed, or a crash in its start-up)
+                process.join(5.0)
+                message = f"exited with code {process.exitcode}"
+            if message is not None:
+                self.close()
+                raise TensorParallelError(f"tensor-parallel rank {rank} failed to load: {message}")
+
+    def watch(self) -> None:
+        """From now on a rank that exits is a failure: record it and tell the callbacks (any thread)."""
+        threading.Thread(target=self._watch, name="ddtree-tp-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
+        ready = wait(list(sentinels))
+        if self.closing:
+            return
+        rank = sentinels[ready[0]]
+        self.failure = f"tensor-parallel rank {rank} exited (exit code {self.processes[rank - 1].exitcode})"
+        log.error("%s", self.failure)
+        for callback in list(self.callbacks):
+            callback(self.failure)
+
+    def check(self) -> None:
+        """Raise the recorded failure, rather than wait on a collective a dead rank will never join."""
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Wait ``timeout`` seconds for the ranks to leave (after STOP), then kill what is left."""
+        self.closing = True
+        for process in self.processes:
+            process.join(timeout)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout)
+
+
+def run_torchrun_worker(spec: ShardSpec) -> None:
+    """A torchrun rank other than 0: load its shard, join, serve rank 0's steps, exit with its status."""
+    from ddtree.engine.model_runner import ModelRunner
+
+    rank, world_size, local_rank = torchrun_rank()
+    torch.set_num_threads(spec.threads)
+    device = rank_device(torch.device(spec.device), local_rank)
+    target = load_shard(spec, rank, world_size, device)
+    channel = connect(rank, world_size, device, "env://")
+    serve_steps(channel, lambda args: ModelRunner.worker(target, channel, *args))
+    dist.destroy_process_group()
+
+
+def start_tensor_parallel(
+    target_dir, dtype: str | torch.dtype, device: torch.device, max_model_len: int | None, world_size: int
+):
+    """Rank 0 of ``world_size``: start the other ranks (or, under torchrun, join them), load and shard
+    this rank's target while they load theirs, and open the step channel. Returns (target shard,
+    tokenizer, channel). Under torchrun a rank other than 0 serves rank 0's steps here and exits."""
+    from ddtree.models import check_model_dir, load_target
+
+    spec = ShardSpec(str(target_dir), dtype, str(device), max_model_len, torch.get_num_threads())
+    launched = torchrun_rank()
+    if launched is not None and launched[0] != 0:
+        run_torchrun_worker(spec)
+        raise SystemExit(0)
+    check_model_dir(target_dir, "target")
+    ranks = RankSet(world_size, spec) if launched is None else None
+    try:
+        device = rank_device(device, 0 if launched is None else launched[2])
+        target, tokenizer = load_target(target_dir, device=device, dtype=dtype, max_model_len=max_model_len)
+        shard_target(target, 0, world_size)
+        if ranks is not None:
+            ranks.wait_loaded()
+        channel = connect(0, world_size, device, "env://" if ranks is None else ranks.init_method)
+    except BaseException:
+        if ranks is not None:
+            ranks.close(0.0)
+        raise
+    channel.ranks = ranks
+    return target, tokenizer, channel
+
+
+def close_channel(channel: StepChannel) -> None:
+    """Rank 0: end the other ranks' loops (unless one has died), wait for spawned ranks to leave, and
+    leave the process group (a later engine in this process may form a new one)."""
+    if channel.ranks is None or channel.ranks.failure is None:
+        try:
+            channel.send(STOP, ())
+        except (RuntimeError, TensorParallelError) as exc:  # a rank is gone: nobody to tell
+            log.warning("stopping the tensor-parallel ranks: %s", str(exc).splitlines()[0])
+    if channel.ranks is not None:
+        channel.ranks.close()
+    dist.destroy_process_group()

@@ -81,6 +81,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         help="SGLang's threshold_acc: accept when coin < (siblings' target mass) / A; LOSSY below 1.0",
     )
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")  # fmt: skip
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="shard the target over N ranks (Megatron-style; gloo on CPUs, NCCL on GPUs 0..N-1); "
+                   "ddtree starts them, or run under torchrun with N processes")  # fmt: skip
     add_memory_options(p)
     add_threads_option(p)
     add_compile_options(p)
@@ -132,13 +135,16 @@ def max_batch_size(args: argparse.Namespace) -> int:
 def check_engine_flags(args: argparse.Namespace):
     """The checks that need no model: method, budget, topk, thresholds, compile buckets, threads, device.
     Returns the device."""
+    from ddtree.engine.ranks import check_world
     from ddtree.models import check_device
 
     check_speculative_options(args.method, args.budget, args.topk)
     check_accept_thresholds(args.accept_threshold_single, args.accept_threshold_acc)
     check_compile_options(args, max_batch_size(args))
     check_threads(args.threads)
-    return check_device(args.device)
+    device = check_device(args.device)
+    check_world(args.tensor_parallel_size, device)
+    return device
 
 
 def engine_from_args(args: argparse.Namespace):
@@ -179,6 +185,7 @@ def engine_from_args(args: argparse.Namespace):
         topk=args.topk,
         device=device,
         dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
         accept_threshold_single=args.accept_threshold_single,
         accept_threshold_acc=args.accept_threshold_acc,
         max_num_seqs=max_batch_size(args),
@@ -186,6 +193,18 @@ def engine_from_args(args: argparse.Namespace):
         profile=bool(getattr(args, "stats", False)),  # stage seconds cost a device sync per stage
         **compiled,
     )
+
+
+def serve_torchrun_rank(args: argparse.Namespace) -> None:
+    """A torchrun rank other than 0: load this rank's shard of the target the flags name, then run rank
+    0's steps until it stops."""
+    from ddtree.engine.ranks import ShardSpec, run_torchrun_worker
+    from ddtree.models import DEFAULT_TARGET
+
+    device = check_engine_flags(args)
+    threads = apply_threads(args.threads)
+    target = str(args.target or DEFAULT_TARGET)
+    run_torchrun_worker(ShardSpec(target, args.dtype, str(device), args.max_model_len, threads))
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -203,8 +222,6 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    import torch
-
     from ddtree.params import SamplingParams
 
     prompt = read_prompt(args)
@@ -217,7 +234,13 @@ def _generate(args: argparse.Namespace) -> None:
         max_new_tokens=args.max_new_tokens,
         stop=tuple(args.stop),
     )
-    engine = engine_from_args(args)
+    with engine_from_args(args) as engine:  # ``with``: tensor-parallel ranks end with it
+        _stream(engine, prompt, params, args)
+
+
+def _stream(engine, prompt: str, params, args: argparse.Namespace) -> None:
+    import torch
+
     if engine.tokenizer is None:
         raise DDTreeError(f"target {args.target} has no tokenizer; text prompts need one")
     deltas = engine.stream(prompt, params)  # validates the request before anything is printed
@@ -260,6 +283,12 @@ def main(argv: list[str] | None = None) -> None:
     hf_logging.set_verbosity_error()
     try:
         args = build_parser().parse_args(argv)
+        if getattr(args, "tensor_parallel_size", 1) > 1:
+            from ddtree.engine.ranks import torchrun_rank
+
+            if torchrun_rank() not in (None, 0):
+                serve_torchrun_rank(args)  # torchrun's other ranks: no port, no output, rank 0's steps
+                return
         args.func(args)
     except DDTreeError as exc:
         print(f"ddtree: error: {exc}", file=sys.stderr)

@@ -29,7 +29,7 @@ from ddtree.kv_cache import PagedKVCache
 from ddtree.params import SamplingParams
 
 DEVICE = os.environ.get("DDTREE_TEST_DEVICE", "cpu")
-OPTIONS = dict(max_model_len=256, draft_dtype=torch.float32, device=DEVICE)
+OPTIONS = dict(max_model_len=256, dtype=torch.float32, draft_dtype=torch.float32, device=DEVICE)
 PROMPTS = [
     "def fibonacci(n):",
     "The capital of France is",

@@ -309,6 +309,7 @@ class RankSet:
             )
             process.start()
             theirs.close()
+            log.info("tensor-parallel rank %d: pid %d", rank, process.pid)
             self.pipes.append(ours)
             self.processes.append(process)
         atexit.register(self.close, 0.0)  # an engine never closed: its ranks wait for a step that won't come
@@ -400,13 +401,18 @@ def start_tensor_parallel(
 
 
 def close_channel(channel: StepChannel) -> None:
-    """Rank 0: end the other ranks' loops (unless one has died), wait for spawned ranks to leave, and
-    leave the process group (a later engine in this process may form a new one)."""
-    if channel.ranks is None or channel.ranks.failure is None:
+    """Rank 0: end the other ranks' loops (unless one has died: then kill them), wait for spawned ranks to
+    leave, and leave the process group (a later engine in this process may form a new one)."""
+    ranks = channel.ranks
+    failed = ranks is not None and ranks.failure is not None
+    if ranks is not None:
+        ranks.closing = True  # their exits from here on are no failure
+    if not failed:
         try:
             channel.send(STOP, ())
         except (RuntimeError, TensorParallelError) as exc:  # a rank is gone: nobody to tell
+            failed = True
             log.warning("stopping the tensor-parallel ranks: %s", str(exc).splitlines()[0])
-    if channel.ranks is not None:
-        channel.ranks.close()
+    if ranks is not None:
+        ranks.close(0.0 if failed else 10.0)
     dist.destroy_process_group()

@@ -37,6 +37,7 @@ NOT_READY = {
     "loading": ("the model is loading", "model_loading"),
     "warming": ("the model is warming up", "model_warming_up"),
     "failed": ("the model failed to load", "model_load_failed"),
+    "dead": ("the engine stopped", "engine_failed"),
 }
 
 
@@ -113,6 +114,7 @@ def create_app(
     engine_factory: Callable[[], object],
     config: ServerConfig | None = None,
     on_load_failed: Callable[[BaseException], None] | None = None,
+    on_engine_failed: Callable[[str], None] | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app serving the engine ``engine_factory`` builds (on the worker thread)."""
     config = config or ServerConfig()
@@ -124,7 +126,13 @@ def create_app(
         return model
 
     worker = EngineWorker(
-        load, metrics, config.max_queue, warm_up, on_load_failed=on_load_failed, step_delay=config.step_delay
+        load,
+        metrics,
+        config.max_queue,
+        warm_up,
+        on_load_failed=on_load_failed,
+        step_delay=config.step_delay,
+        on_engine_failed=on_engine_failed,
     )
     state = ServerState(config, worker, metrics)
 

@@ -282,7 +282,7 @@ class ErrorResponse(BaseModel):
 class Identity(BaseModel):
     """Who answered: a deployer tells an old process from its replacement by pid, instance_id, started_at."""
 
-    state: Literal["loading", "warming", "ready", "failed"]
+    state: Literal["loading", "warming", "ready", "failed", "dead"]
     pid: int
     instance_id: str
     started_at: str = Field(description="ISO 8601, UTC")

@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -136,6 +137,8 @@ def log_config(level: str) -> dict:
 
 
 EXIT_REQUESTS_CUT = 1  # the drain time ran out: some requests ended with a shutting_down error
+EXIT_ENGINE_FAILED = 1  # the engine died while serving (a tensor-parallel rank exited)
+FAILED_GRACE_SECONDS = 2.0  # a dead engine: /ready answers 503 this long before the server stops
 FLUSH_SECONDS = 5.0  # after the drain, for the cut requests' error answers to reach their clients
 
 
@@ -221,10 +224,16 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
         return engine_from_args(args)
 
     failures: list[BaseException] = []
+    died: list[str] = []
 
     def load_failed(exc: BaseException) -> None:
         failures.append(exc)
         app.state.uvicorn.should_exit = True
+
+    def engine_failed(reason: str) -> None:
+        died.append(reason)
+        # /ready answers 503 a moment before the listener closes, so that health checks see why
+        threading.Timer(FAILED_GRACE_SECONDS, setattr, (app.state.uvicorn, "should_exit", True)).start()
 
     config = ServerConfig(
         model_name=args.served_model_name or (Path(args.target).name if args.target else DEFAULT_MODEL_NAME),
@@ -236,10 +245,13 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
         limits=limits.Limits(args.max_request_bytes, args.max_tokens_per_request),
         step_delay=step_delay,
     )
-    app = create_app(load, config, on_load_failed=load_failed)
+    app = create_app(load, config, on_load_failed=load_failed, on_engine_failed=engine_failed)
     server = run_app(app, sock, args.shutdown_timeout, args.log_level, args.access_log)
     if failures:
         raise DDTreeError(f"cannot serve: {failures[0]}")
+    if died:
+        print(f"ddtree serve: the engine stopped: {died[0]}", file=sys.stderr)
+        sys.exit(EXIT_ENGINE_FAILED)
     if server.cut:
         print(
             f"ddtree serve: {server.cut} request(s) did not finish within --shutdown-timeout "

@@ -32,7 +32,7 @@ from ddtree.server.metrics import Metrics
 
 log = logging.getLogger("ddtree.server")
 
-State = Literal["loading", "warming", "ready", "failed"]
+State = Literal["loading", "warming", "ready", "failed", "dead"]
 
 
 class QueueFull(Exception):
@@ -99,12 +99,14 @@ class EngineWorker:
         warmup: Callable[[Any], None] | None = None,
         on_load_failed: Callable[[BaseException], None] | None = None,
         step_delay: float = 0.0,
+        on_engine_failed: Callable[[str], None] | None = None,
     ) -> None:
         self.engine_factory = engine_factory
         self.metrics = metrics
         self.max_queue = max_queue
         self.warmup = warmup
         self.on_load_failed = on_load_failed
+        self.on_engine_failed = on_engine_failed  # the engine died after loading (a tensor-parallel rank)
         self.step_delay = step_delay  # a test hook: seconds to sleep before each step (a slow model)
         self.state: State = "loading"
         self.load_error: str | None = None
@@ -180,6 +182,18 @@ class EngineWorker:
         if self.state == "ready" and self._thread.is_alive():  # a load in progress cannot be interrupted
             self._thread.join(timeout)
 
+    def fail(self, reason: str) -> None:
+        """The engine cannot run any more (a tensor-parallel rank died; called from any thread): not ready
+        from now on, the jobs in flight fail, the engine thread ends, and the server is told to exit."""
+        log.error("the engine failed: %s", reason)
+        self.load_error = reason
+        self.state = "dead"
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self.on_engine_failed is not None:
+            self.on_engine_failed(reason)
+
     # -- the thread ---------------------------------------------------------------------------------------
 
     def _main(self) -> None:
@@ -199,6 +213,7 @@ class EngineWorker:
         self.engine = model
         self.state = "ready"
         engine = model.engine
+        engine.watch_ranks(self.fail)
         log.info(
             "engine ready (batches of up to %d requests, %d torch threads)",
             engine.max_batch_size,
@@ -219,6 +234,7 @@ class EngineWorker:
             self._loop(model)
         finally:
             self._fail_all(ShuttingDown())
+            engine.close()  # here, on the thread that steps it: its tensor-parallel ranks stop with it
 
     def _loop(self, model: ServedModel) -> None:
         engine = model.engine

@@ -337,7 +337,9 @@ class RankSet:
         if self.closing:
             return
         rank = sentinels[ready[0]]
-        self.failure = f"tensor-parallel rank {rank} exited (exit code {self.processes[rank - 1].exitcode})"
+        process = self.processes[rank - 1]
+        process.join(1.0)  # reap it, for its exit code
+        self.failure = f"tensor-parallel rank {rank} exited (exit code {process.exitcode})"
         log.error("%s", self.failure)
         for callback in list(self.callbacks):
             callback(self.failure)
@@ -384,6 +386,11 @@ def start_tensor_parallel(
         run_torchrun_worker(spec)
         raise SystemExit(0)
     check_model_dir(target_dir, "target")
+    if dist.is_initialized():
+        raise DDTreeError(
+            "this process already runs a tensor-parallel engine (or another process group): close() it "
+            "first; one at a time per process"
+        )
     ranks = RankSet(world_size, spec) if launched is None else None
     try:
         device = rank_device(device, 0 if launched is None else launched[2])

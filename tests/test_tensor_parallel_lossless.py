@@ -1,0 +1,94 @@
+"""Tensor parallelism, each test with engines of its own (one process group per process at a time): fixed
+shapes, the G-test of sampled outputs against the target's enumerated law (as ``test_sampling_lossless``
+does in one process), a rank that dies, and sizes that cannot shard the target."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from ddtree.engine import Engine
+from ddtree.engine.ranks import TensorParallelError
+from ddtree.errors import DDTreeError
+from ddtree.params import SamplingParams
+from tests import test_sampling_lossless as lossless
+from tests.test_tensor_parallel_engine import NEW, OPTIONS, TP, tokens
+
+
+def test_fixed_shapes_under_tensor_parallelism_emit_the_same_tokens():
+    """Padded batches and trees (dummy rows and nodes) on both ranks: the same greedy tokens."""
+    greedy = SamplingParams(max_new_tokens=NEW)
+    options = OPTIONS | dict(fixed_shapes=True, batch_buckets=[2, 8], node_buckets=[17])
+    with Engine.from_pretrained(tensor_parallel_size=TP, **options) as padded:
+        got = tokens(padded, "ddtree", greedy)
+    assert got == tokens(Engine.from_pretrained(**OPTIONS), "ar", greedy)
+
+
+def save_tp_pair(directory) -> Qwen3ForCausalLM:
+    """``test_sampling_lossless``'s tiny pair, its target with its one KV head stored twice (one per rank:
+    query head i reads KV head i, the same weights, so the law and the drafts are unchanged), saved."""
+    target, drafter = lossless.build_models()
+    config = Qwen3Config(**(target.config.to_dict() | {"num_key_value_heads": 2}))
+    doubled = Qwen3ForCausalLM(config).eval()
+    state = target.state_dict()
+    for name in state:
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            state[name] = state[name].repeat(2, 1)  # [D, H] -> [2 D, H]: the head, then its copy
+    doubled.load_state_dict(state)
+    doubled.save_pretrained(directory / "target")
+    drafter.save_pretrained(directory / "drafter")
+    return target
+
+
+def test_samples_under_tensor_parallelism_follow_the_target_distribution(tmp_path):
+    target = save_tp_pair(tmp_path)
+    params = lossless.SETTINGS["T=1"]
+    with Engine.from_pretrained(
+        tmp_path / "target",
+        tmp_path / "drafter",
+        tensor_parallel_size=TP,
+        dtype=torch.float32,
+        budget=lossless.BUDGET,
+        max_num_seqs=lossless.BATCH,
+    ) as engine:
+        draws = lossless.draw(engine, "ddtree", params, lossless.N_FAST, seed=7_000)
+    chi2_p, g_p = lossless.fit_p_values(draws.counts, lossless.exact_law(target, params))
+    print(f"TP {TP} ddtree T=1 n={lossless.N_FAST}: chi-square p={chi2_p:.3g} G-test p={g_p:.3g}")
+    lossless.assert_tree_path_exercised(draws, "ddtree")
+    assert g_p > lossless.P_PASS and chi2_p > lossless.P_PASS
+
+
+def test_a_rank_that_dies_fails_the_next_step_in_one_line(tmp_path):
+    save_tp_pair(tmp_path)
+    engine = Engine.from_pretrained(
+        tmp_path / "target", tmp_path / "drafter", tensor_parallel_size=TP, dtype=torch.float32
+    )
+    reasons = []
+    engine.watch_ranks(reasons.append)
+    engine.runner.channel.ranks.processes[0].kill()
+    deadline = time.monotonic() + 10
+    while not reasons and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reasons == ["tensor-parallel rank 1 exited (exit code -9)"]
+    with pytest.raises(TensorParallelError, match="rank 1 exited") as info:
+        engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
+    assert "\n" not in str(info.value)
+    ranks = engine.runner.channel.ranks
+    engine.close()  # the other ranks are killed, not told: one of them can no longer answer
+    assert not any(p.is_alive() for p in ranks.processes)
+
+
+@pytest.mark.parametrize(
+    ("size", "message"),
+    [
+        (0, "tensor_parallel_size must be an integer >= 1"),
+        (3, r"num_attention_heads \(4\) and num_key_value_heads \(2\) divisible by 3"),
+    ],
+)
+def test_a_size_that_cannot_shard_the_target_is_refused_in_one_line(size, message):
+    with pytest.raises(DDTreeError, match=message) as info:
+        Engine.from_pretrained(tensor_parallel_size=size, **OPTIONS)
+    assert "\n" not in str(info.value)

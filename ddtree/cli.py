@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> None:
         if getattr(args, "tensor_parallel_size", 1) > 1:
             from ddtree.engine.ranks import torchrun_rank
 
-            if torchrun_rank() not in (None, 0):
+            launched = torchrun_rank()
+            if launched is not None and launched[0] != 0:
                 serve_torchrun_rank(args)  # torchrun's other ranks: no port, no output, rank 0's steps
                 return
         args.func(args)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,7 +18,7 @@ import torch
 
 from ddtree.engine import Engine
 from ddtree.params import SamplingParams
-from tests.server_helpers import ServerProcess
+from tests.server_helpers import ServerProcess, server_env
 
 FLAGS = ["--tensor-parallel-size", "2", "--dtype", "float32", "--max-model-len", "512",
          "--kv-cache-memory", "64MiB", "--max-batch-size", "8"]  # fmt: skip
@@ -99,3 +101,35 @@ def test_a_rank_that_dies_makes_ready_503_and_the_server_exit_nonzero(tmp_path):
         assert "Traceback" not in server.log()
     finally:
         server.close()
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300, env=server_env())
+
+
+GENERATE = ["generate", "def fibonacci(n):", "--max-new-tokens", "24", "--dtype", "float32"]
+
+
+def test_generate_prints_one_process_output_when_spawning_ranks_or_under_torchrun():
+    one = run_cli(sys.executable, "-m", "ddtree.cli", *GENERATE)
+    spawned = run_cli(sys.executable, "-m", "ddtree.cli", *GENERATE, "--tensor-parallel-size", "2")
+    torchrun = run_cli(
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "-m", "ddtree.cli", *GENERATE, "--tensor-parallel-size", "2",
+    )  # fmt: skip
+    for run in (one, spawned, torchrun):
+        assert run.returncode == 0, run.stderr
+        assert run.stderr == ""  # no rank prints a progress bar or a notice
+    assert spawned.stdout == one.stdout == torchrun.stdout
+    assert len(one.stdout) > len("def fibonacci(n):") + 10
+
+
+@pytest.mark.parametrize(
+    ("size", "message"),
+    [("0", "tensor_parallel_size must be an integer >= 1"), ("3", "divisible by 3")],
+)
+def test_a_tensor_parallel_size_that_cannot_work_exits_2_in_one_line(size, message):
+    run = run_cli(sys.executable, "-m", "ddtree.cli", *GENERATE, "-tp", size)
+    assert run.returncode == 2
+    assert run.stderr.startswith("ddtree: error: ") and message in run.stderr
+    assert run.stderr.count("\n") == 1

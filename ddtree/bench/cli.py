@@ -78,6 +78,8 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
         "--drafter", type=Path, default=None, help="DFlash drafter directory (the built-in one if omitted)"
     )
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="shard the target over N ranks (engine methods only, without --compile)")  # fmt: skip
     add_memory_options(p)
     add_threads_option(p)
     p.add_argument("--tree-vocab", type=int, default=32768,
@@ -125,6 +127,8 @@ def load_engines(args: argparse.Namespace, cfg, max_batch_size: int = 1):
     from ddtree.engine import Engine
     from ddtree.params import AUTO
 
+    if args.tensor_parallel_size > 1:
+        return load_sharded_engine(args, cfg, max_batch_size)
     target, tokenizer, drafter, target_dir, drafter_dir = load_models(args, cfg.needs_drafter)
     method = "ddtree" if drafter is not None else "ar"
     common = dict(method=method, max_batch_size=max_batch_size, profile=True) | memory_options(args)
@@ -152,6 +156,46 @@ def load_engines(args: argparse.Namespace, cfg, max_batch_size: int = 1):
             attention=args.attention_backend,
         )
     return engines, target_dir, drafter_dir
+
+
+def load_sharded_engine(args: argparse.Namespace, cfg, max_batch_size: int):
+    """``--tensor-parallel-size N``: one engine over N ranks (one process group per process, so no compiled
+    sibling; and HF's ``generate`` would run rank 0's shard alone, so no ``hf`` methods)."""
+    from ddtree.bench.runner import HF_METHODS
+    from ddtree.engine import Engine
+    from ddtree.engine.ranks import check_world
+    from ddtree.models import check_device
+
+    check_world(args.tensor_parallel_size, check_device(args.device))
+    if args.compile:
+        raise DDTreeError(
+            "bench --compile compares two engines in one process; not with --tensor-parallel-size"
+        )
+    if any(m in HF_METHODS for m in cfg.methods):
+        raise DDTreeError(
+            "--tensor-parallel-size runs the engine's methods only: drop hf and hf-pld from --methods"
+        )
+    target_dir, drafter_dir = args.target, args.drafter
+    if target_dir is None and drafter_dir is None:
+        from ddtree.models import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+        target_dir, drafter_dir = DEFAULT_TARGET, DEFAULT_DRAFTER
+    if not cfg.needs_drafter:
+        drafter_dir = None
+    elif drafter_dir is None:
+        raise DDTreeError("methods dflash and ddtree need --drafter when --target is given")
+    engine = Engine.from_pretrained(
+        target_dir,
+        drafter_dir,
+        method="ddtree" if drafter_dir is not None else "ar",
+        device=args.device,
+        dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+        max_batch_size=max_batch_size,
+        profile=True,
+        **memory_options(args),
+    )
+    return {False: engine}, target_dir, drafter_dir
 
 
 def compile_info(engines: dict) -> dict:
@@ -195,16 +239,9 @@ def load_models(args: argparse.Namespace, needs_drafter: bool):
 
 def run_bench_command(args: argparse.Namespace) -> None:
     """Run, write the four outputs, print the Markdown, and fail loudly on a T = 0 mismatch."""
-    from transformers.utils import logging as hf_logging
 
-    from ddtree.bench.check import MISMATCH_EXIT_CODE, announce, check_greedy_equality
-    from ddtree.bench.machine import machine_info
-    from ddtree.bench.metrics import DEFINITIONS, summarize
-    from ddtree.bench.plots import plot_acceptance_histogram, plot_tau_speedup
     from ddtree.bench.prompts import load_prompts
-    from ddtree.bench.report import markdown, write_outputs
-    from ddtree.bench.runner import BenchConfig, encode_prompts, run_bench
-    from ddtree.bench.tree_speed import measure_tree_build
+    from ddtree.bench.runner import BenchConfig
 
     cfg = BenchConfig(
         methods=tuple(args.methods),
@@ -227,6 +264,25 @@ def run_bench_command(args: argparse.Namespace) -> None:
         raise DDTreeError(f"--concurrency levels must be >= 1, got {min(levels)}")
     check_compile_options(args, max(levels))
     engines, target_dir, drafter_dir = load_engines(args, cfg, max_batch_size=max(levels))
+    try:
+        bench_engines(args, cfg, prompts, engines, target_dir, drafter_dir)
+    finally:
+        for engine in engines.values():
+            engine.close()  # tensor-parallel ranks end with it
+
+
+def bench_engines(args: argparse.Namespace, cfg, prompts, engines: dict, target_dir, drafter_dir) -> None:
+    """The benchmark proper, on loaded engines."""
+    from transformers.utils import logging as hf_logging
+
+    from ddtree.bench.check import MISMATCH_EXIT_CODE, announce, check_greedy_equality
+    from ddtree.bench.machine import machine_info
+    from ddtree.bench.metrics import DEFINITIONS, summarize
+    from ddtree.bench.plots import plot_acceptance_histogram, plot_tau_speedup
+    from ddtree.bench.report import markdown, write_outputs
+    from ddtree.bench.runner import encode_prompts, run_bench
+    from ddtree.bench.tree_speed import measure_tree_build
+
     engine = engines[False]
     prompt_ids = encode_prompts(engine, prompts, cfg.max_new_tokens)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -265,6 +265,7 @@ def spawned_rank_main(rank: int, world_size: int, init_method: str, spec: ShardS
     from ddtree.engine.model_runner import ModelRunner
 
     torch.set_num_threads(spec.threads)
+    quiet_loading()
     try:
         device = rank_device(torch.device(spec.device), rank)
         target = load_shard(spec, rank, world_size, device)
@@ -280,6 +281,14 @@ def spawned_rank_main(rank: int, world_size: int, init_method: str, spec: ShardS
         print(f"ddtree: tensor-parallel rank {rank}: {str(exc).splitlines()[0]}", file=sys.stderr)
         sys.exit(1)
     dist.destroy_process_group()
+
+
+def quiet_loading() -> None:
+    """A rank other than 0 prints nothing of its own while loading (no progress bar, no notices)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
 
 def free_port() -> int:
@@ -365,6 +374,7 @@ def run_torchrun_worker(spec: ShardSpec) -> None:
 
     rank, world_size, local_rank = torchrun_rank()
     torch.set_num_threads(spec.threads)
+    quiet_loading()
     device = rank_device(torch.device(spec.device), local_rank)
     target = load_shard(spec, rank, world_size, device)
     channel = connect(rank, world_size, device, "env://")

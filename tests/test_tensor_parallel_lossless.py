@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from ddtree.engine import Engine
@@ -25,6 +26,21 @@ def test_fixed_shapes_under_tensor_parallelism_emit_the_same_tokens():
     with Engine.from_pretrained(tensor_parallel_size=TP, **options) as padded:
         got = tokens(padded, "ddtree", greedy)
     assert got == tokens(Engine.from_pretrained(**OPTIONS), "ar", greedy)
+
+
+def test_compiled_engine_under_tensor_parallelism_emits_the_same_tokens_without_recompiling():
+    """``compile=True`` on both ranks (rank 0: the verify and draft graphs; rank 1: the verify graph, with
+    the all-reduces inside it): after the warm-up no round compiles, and the tokens are one process's."""
+    greedy = SamplingParams(max_new_tokens=NEW)
+    options = OPTIONS | dict(max_num_seqs=4, compile=True, batch_buckets=[4], node_buckets=[17])
+    with Engine.from_pretrained(tensor_parallel_size=TP, **options) as compiled:
+        graphs = counters["stats"]["unique_graphs"]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = {m: tokens(compiled, m, greedy) for m in ("dflash", "ddtree")}
+        assert counters["stats"]["unique_graphs"] == graphs
+        assert sum(counters["graph_break"].values()) == 0
+    reference = tokens(Engine.from_pretrained(**OPTIONS), "ar", greedy)
+    assert got == {"dflash": reference, "ddtree": reference}
 
 
 def save_tp_pair(directory) -> Qwen3ForCausalLM:

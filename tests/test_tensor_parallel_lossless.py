@@ -92,9 +92,10 @@ def test_a_rank_that_dies_fails_the_next_step_in_one_line(tmp_path):
     with pytest.raises(TensorParallelError, match="rank 1 exited") as info:
         engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
     assert "\n" not in str(info.value)
-    ranks = engine.runner.channel.ranks
     engine.close()  # the other ranks are killed, not told: one of them can no longer answer
-    assert not any(p.is_alive() for p in ranks.processes)
+    assert not any(p.is_alive() for p in engine.runner.channel.ranks.processes)
+    with pytest.raises(TensorParallelError, match="was closed"):  # never rank 0's shard alone
+        engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
 
 
 @pytest.mark.parametrize(

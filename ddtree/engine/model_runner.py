@@ -202,9 +202,10 @@ class ModelRunner:
         )
 
     def close(self) -> None:
-        """Rank 0 under tensor parallelism: end the other ranks (``ranks.close_channel``); then a no-op."""
-        channel, self.channel = self.channel, None
-        if channel is not None and channel.leader:
+        """Rank 0 under tensor parallelism: end the other ranks (``ranks.close_channel``); a later forward
+        raises. Once, and nothing to do in one process."""
+        channel = self.channel
+        if channel is not None and channel.leader and not channel.closed:
             close_channel(channel)
 
     def span(self, needed: int) -> int:

@@ -88,6 +88,7 @@ class StepChannel:
     control: dist.ProcessGroup  # gloo: pickled headers, waited on without a practical timeout
     stats: ChannelStats = field(default_factory=ChannelStats)
     ranks: RankSet | None = None  # rank 0 of spawned ranks: the processes and their watcher
+    closed: bool = False  # the other ranks were told to stop: rank 0's shard alone must not run
 
     @property
     def leader(self) -> bool:
@@ -95,6 +96,8 @@ class StepChannel:
 
     def send(self, name: str, args: tuple) -> None:
         """Rank 0: broadcast the call ``name(*args)``; tensors travel as one byte buffer on the device."""
+        if self.closed:
+            raise TensorParallelError("the tensor-parallel engine was closed; its ranks are gone")
         if self.ranks is not None:
             self.ranks.check()
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -262,8 +265,6 @@ def load_shard(spec: ShardSpec, rank: int, world_size: int, device: torch.device
 
 def spawned_rank_main(rank: int, world_size: int, init_method: str, spec: ShardSpec, pipe) -> None:
     """A spawned rank: load and shard the target, say so to rank 0, join, serve its steps."""
-    from ddtree.engine.model_runner import ModelRunner
-
     torch.set_num_threads(spec.threads)
     quiet_loading()
     try:
@@ -274,10 +275,19 @@ def spawned_rank_main(rank: int, world_size: int, init_method: str, spec: ShardS
         sys.exit(1)
     pipe.send(None)
     pipe.close()
+    serve_rank(target, rank, world_size, device, init_method)
+
+
+def serve_rank(target, rank: int, world_size: int, device: torch.device, init_method: str) -> None:
+    """A rank other than 0, its shard loaded: join the group and serve rank 0's steps until ``stop``."""
+    from ddtree.engine.model_runner import ModelRunner
+
     channel = connect(rank, world_size, device, init_method)
     try:
         serve_steps(channel, lambda args: ModelRunner.worker(target, channel, *args))
-    except (RuntimeError, TensorParallelError) as exc:  # rank 0 went away mid-collective
+    except DDTreeError:  # an option rank 0 refuses too (it reports it): nothing to add
+        sys.exit(1)
+    except RuntimeError as exc:  # rank 0 went away mid-collective
         print(f"ddtree: tensor-parallel rank {rank}: {str(exc).splitlines()[0]}", file=sys.stderr)
         sys.exit(1)
     dist.destroy_process_group()
@@ -370,16 +380,11 @@ class RankSet:
 
 def run_torchrun_worker(spec: ShardSpec) -> None:
     """A torchrun rank other than 0: load its shard, join, serve rank 0's steps, exit with its status."""
-    from ddtree.engine.model_runner import ModelRunner
-
     rank, world_size, local_rank = torchrun_rank()
     torch.set_num_threads(spec.threads)
     quiet_loading()
     device = rank_device(torch.device(spec.device), local_rank)
-    target = load_shard(spec, rank, world_size, device)
-    channel = connect(rank, world_size, device, "env://")
-    serve_steps(channel, lambda args: ModelRunner.worker(target, channel, *args))
-    dist.destroy_process_group()
+    serve_rank(load_shard(spec, rank, world_size, device), rank, world_size, device, "env://")
 
 
 def start_tensor_parallel(
@@ -390,8 +395,10 @@ def start_tensor_parallel(
     tokenizer, channel). Under torchrun a rank other than 0 serves rank 0's steps here and exits."""
     from ddtree.models import check_model_dir, load_target
 
-    spec = ShardSpec(str(target_dir), dtype, str(device), max_model_len, torch.get_num_threads())
     launched = torchrun_rank()
+    if device.type == "cpu" and launched is None:  # the ranks share this machine's cores: split the threads
+        torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+    spec = ShardSpec(str(target_dir), dtype, str(device), max_model_len, torch.get_num_threads())
     if launched is not None and launched[0] != 0:
         run_torchrun_worker(spec)
         raise SystemExit(0)
@@ -430,6 +437,7 @@ def close_channel(channel: StepChannel) -> None:
         except (RuntimeError, TensorParallelError) as exc:  # a rank is gone: nobody to tell
             failed = True
             log.warning("stopping the tensor-parallel ranks: %s", str(exc).splitlines()[0])
+    channel.closed = True
     if ranks is not None:
         ranks.close(0.0 if failed else 10.0)
     dist.destroy_process_group()

@@ -114,12 +114,12 @@ def test_generate_prints_one_process_output_when_spawning_ranks_or_under_torchru
     one = run_cli(sys.executable, "-m", "ddtree.cli", *GENERATE)
     spawned = run_cli(sys.executable, "-m", "ddtree.cli", *GENERATE, "--tensor-parallel-size", "2")
     torchrun = run_cli(
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "ddtree.cli", *GENERATE, "--tensor-parallel-size", "2",
     )  # fmt: skip
     for run in (one, spawned, torchrun):
         assert run.returncode == 0, run.stderr
-        assert run.stderr == ""  # no rank prints a progress bar or a notice
+        assert run.stderr == "", run.stderr  # no rank prints a progress bar or a notice
     assert spawned.stdout == one.stdout == torchrun.stdout
     assert len(one.stdout) > len("def fibonacci(n):") + 10
 

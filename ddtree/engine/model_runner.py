@@ -352,7 +352,7 @@ class ModelRunner:
         block_mask = self.block_mask(self.cache, tables, starts, anc, ids.shape[1])
         return self.verify_forward(ids, positions, cols, starts, anc, tables, span, features, block_mask)
 
-    @replicated
+    @replicated(deferred=True)
     def pack(
         self, tables: torch.Tensor, starts: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor
     ) -> None:

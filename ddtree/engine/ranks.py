@@ -52,6 +52,7 @@ STOP = "stop"  # the call that ends a worker's loop
 
 
 ALIGN = 16  # bytes: every tensor in a step's payload starts at a multiple of this
+HEADER_BYTES = 4096  # a message's header broadcast; a longer one takes a second broadcast
 
 
 def padded(nbytes: int) -> int:
@@ -72,16 +73,25 @@ class TensorSpec:
 
 @dataclass
 class ChannelStats:
-    """What rank 0 has sent: calls, collectives (header size, header, payload) and bytes."""
+    """What rank 0 has sent: messages, calls, collectives and bytes."""
 
+    messages: int = 0
     calls: int = 0
     collectives: int = 0
     bytes: int = 0
 
 
+Call = tuple[str, tuple]  # a replicated call: its name, and its arguments with tensors as TensorSpecs
+
+
 @dataclass
 class StepChannel:
-    """Rank 0 sends each replicated model-runner call; the other ranks receive it and make it too."""
+    """Rank 0 sends the replicated model-runner calls; the other ranks receive them and make them too.
+
+    A message is every call deferred since the last one (``defer``: the KV packing, which the other
+    ranks need only before their next forward) plus the call being sent: one header broadcast (a fixed
+    ``HEADER_BYTES`` buffer, and a second broadcast only for a longer header) and one broadcast of all the
+    calls' tensors. A round is one message: 2 collectives besides its forward's all-reduces."""
 
     tp: TPGroup
     device: torch.device
@@ -89,41 +99,59 @@ class StepChannel:
     stats: ChannelStats = field(default_factory=ChannelStats)
     ranks: RankSet | None = None  # rank 0 of spawned ranks: the processes and their watcher
     closed: bool = False  # the other ranks were told to stop: rank 0's shard alone must not run
+    pending: list[Call] = field(default_factory=list)  # deferred calls, sent with the next message
+    parts: list[torch.Tensor] = field(default_factory=list)  # their tensors' bytes (copies), in order
 
     @property
     def leader(self) -> bool:
         return self.tp.rank == 0
 
-    def send(self, name: str, args: tuple) -> None:
-        """Rank 0: broadcast the call ``name(*args)``; tensors travel as one byte buffer on the device."""
+    def check(self) -> None:
+        """Raise rather than wait on a collective that a closed engine's or a dead rank's group won't join."""
         if self.closed:
             raise TensorParallelError("the tensor-parallel engine was closed; its ranks are gone")
         if self.ranks is not None:
             self.ranks.check()
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        header = (name, tuple(TensorSpec(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
-                              for a in args))  # fmt: skip
-        size = self._broadcast_header(header)
-        self.stats.calls += 1
-        self.stats.collectives += 2
-        self.stats.bytes += size
-        if tensors:
-            parts = []
-            for t in tensors:  # each part padded to ALIGN bytes, so the receiver can view it as its dtype
-                data = t.contiguous().reshape(-1).view(torch.uint8)
-                parts += [data, data.new_zeros(padded(data.numel()) - data.numel())]
+
+    def defer(self, name: str, args: tuple) -> None:
+        """Rank 0: queue ``name(*args)`` for the next message. Its tensors are copied now, so the caller
+        may overwrite them (persistent input buffers) before that message leaves."""
+        self.check()
+        specs = []
+        for a in args:
+            if isinstance(a, torch.Tensor):  # each part padded to ALIGN bytes: the receiver views it
+                data = a.contiguous().reshape(-1).view(torch.uint8)
+                self.parts += [data.clone(), data.new_zeros(padded(data.numel()) - data.numel())]
+                a = TensorSpec(tuple(a.shape), a.dtype)
+            specs.append(a)
+        self.pending.append((name, tuple(specs)))
+
+    def send(self, name: str, args: tuple) -> None:
+        """Rank 0: broadcast the deferred calls and ``name(*args)``; tensors travel as one byte buffer on
+        the device (gloo on CPUs, NCCL on GPUs)."""
+        self.defer(name, args)
+        calls, parts = self.pending, self.parts
+        self.pending, self.parts = [], []
+        self.stats.messages += 1
+        self.stats.calls += len(calls)
+        self._broadcast_header(calls)
+        if parts:
             payload = torch.cat(parts)
             dist.broadcast(payload, src=0, group=self.tp.group)
             self.stats.collectives += 1
             self.stats.bytes += payload.numel()
 
-    def recv(self) -> tuple[str, tuple]:
-        """Another rank: the next call and its arguments (tensors on this rank's device)."""
-        name, specs = self._broadcast_header(None)
-        tensor_specs = [s for s in specs if isinstance(s, TensorSpec)]
-        if not tensor_specs:
-            return name, specs
-        sizes = [torch.Size(s.shape).numel() * s.dtype.itemsize for s in tensor_specs]
+    def recv(self) -> list[Call]:
+        """Another rank: the next message's calls, in order, their tensors on this rank's device."""
+        calls = self._broadcast_header(None)
+        sizes = [
+            torch.Size(a.shape).numel() * a.dtype.itemsize
+            for _, args in calls
+            for a in args
+            if isinstance(a, TensorSpec)
+        ]
+        if not sizes:
+            return calls
         payload = torch.empty(sum(map(padded, sizes)), dtype=torch.uint8, device=self.device)
         dist.broadcast(payload, src=0, group=self.tp.group)
         parts = iter(payload.split([n for size in sizes for n in (size, padded(size) - size)]))
@@ -133,25 +161,41 @@ class StepChannel:
             next(parts)  # its padding
             return data.view(spec.dtype).view(spec.shape)
 
-        args = tuple(unpack(s) if isinstance(s, TensorSpec) else s for s in specs)
-        return name, args
+        return [
+            (name, tuple(unpack(a) if isinstance(a, TensorSpec) else a for a in args)) for name, args in calls
+        ]
 
-    def _broadcast_header(self, header) -> object:
-        """The pickled header from rank 0 (its size first, then its bytes); rank 0 gets the byte count."""
-        data = pickle.dumps(header) if self.leader else b""
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        dist.broadcast(size, src=0, group=self.control)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.leader else None
-        if buf is None:
-            buf = torch.empty(int(size), dtype=torch.uint8)
-        dist.broadcast(buf, src=0, group=self.control)
-        return len(data) + 8 if self.leader else pickle.loads(buf.numpy().tobytes())
+    def _broadcast_header(self, calls: list[Call] | None) -> list[Call]:
+        """The pickled calls from rank 0: one broadcast of ``HEADER_BYTES`` (its length first), and one more
+        for what does not fit."""
+        data = pickle.dumps(calls) if self.leader else b""
+        head = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+        if self.leader:
+            head[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+            first = data[: HEADER_BYTES - 8]
+            head[8 : 8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+        dist.broadcast(head, src=0, group=self.control)
+        size = int(head[:8].view(torch.int64))
+        body = head[8 : 8 + size].numpy().tobytes()
+        rest = size - (HEADER_BYTES - 8)
+        if rest > 0:
+            tail = torch.frombuffer(bytearray(data[HEADER_BYTES - 8 :]), dtype=torch.uint8) if self.leader \
+                else torch.empty(rest, dtype=torch.uint8)  # fmt: skip
+            dist.broadcast(tail, src=0, group=self.control)
+            body += tail.numpy().tobytes()
+        if self.leader:
+            self.stats.collectives += 1 + (rest > 0)
+            self.stats.bytes += HEADER_BYTES + max(rest, 0)
+            return calls
+        return pickle.loads(body)
 
 
-def replicated(method: Callable) -> Callable:
+def replicated(method: Callable | None = None, *, deferred: bool = False) -> Callable:
     """A ``ModelRunner`` method every rank runs: on rank 0 it first sends its name and arguments (which
-    must be tensors or picklable host values), so the other ranks make the same call."""
-
+    must be tensors or picklable host values), so the other ranks make the same call. ``deferred``: the
+    call returns nothing the other ranks need before their next call, so it rides with the next message."""
+    if method is None:
+        return lambda m: replicated(m, deferred=deferred)
     signature = inspect.signature(method)
 
     def call(self, *args, **kwargs):
@@ -159,7 +203,7 @@ def replicated(method: Callable) -> Callable:
         if channel is not None and channel.leader:
             args = signature.bind(self, *args, **kwargs).args[1:]  # keywords as positions: one header shape
             kwargs = {}
-            channel.send(method.__name__, args)
+            (channel.defer if deferred else channel.send)(method.__name__, args)
         return method(self, *args, **kwargs)
 
     call.__name__, call.__doc__, call.__wrapped__ = method.__name__, method.__doc__, method
@@ -173,7 +217,7 @@ REPLICATED: set[str] = set()  # the calls a worker accepts
 def serve_steps(channel: StepChannel, make_runner: Callable[[tuple], object]) -> None:
     """A rank other than 0: build its model runner from rank 0's first message, then make every call rank
     0 sends until it sends STOP."""
-    name, args = channel.recv()
+    ((name, args),) = channel.recv()
     if name == STOP:  # rank 0 gave up before its engine was built
         return
     if name != "init":
@@ -181,12 +225,12 @@ def serve_steps(channel: StepChannel, make_runner: Callable[[tuple], object]) ->
     runner = make_runner(args)
     with torch.inference_mode():
         while True:
-            name, args = channel.recv()
-            if name == STOP:
-                return
-            if name not in REPLICATED:
-                raise TensorParallelError(f"rank {channel.tp.rank} got an unknown call {name!r}")
-            getattr(runner, name)(*args)
+            for name, args in channel.recv():
+                if name == STOP:
+                    return
+                if name not in REPLICATED:
+                    raise TensorParallelError(f"rank {channel.tp.rank} got an unknown call {name!r}")
+                getattr(runner, name)(*args)
 
 
 # -- starting ranks ---------------------------------------------------------------------------------------

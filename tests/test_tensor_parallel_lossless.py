@@ -109,3 +109,10 @@ def test_a_size_that_cannot_shard_the_target_is_refused_in_one_line(size, messag
     with pytest.raises(DDTreeError, match=message) as info:
         Engine.from_pretrained(tensor_parallel_size=size, **OPTIONS)
     assert "\n" not in str(info.value)
+
+
+def test_an_engine_built_from_models_in_memory_cannot_shard_them():
+    single = Engine.from_pretrained(**OPTIONS)
+    with pytest.raises(DDTreeError, match=r"needs Engine.from_pretrained\(TARGET_DIR") as info:
+        Engine(single.target, single.drafter, single.tokenizer, tensor_parallel_size=2)
+    assert "\n" not in str(info.value)

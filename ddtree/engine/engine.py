@@ -103,10 +103,16 @@ class Engine:
         span_buckets: list[int] | None = None,
         attention: str = "sdpa",
         profile: bool = False,
+        tensor_parallel_size: int = 1,
         channel: StepChannel | None = None,
     ) -> None:
         """``channel``: rank 0's step channel when ``target`` is its tensor-parallel shard (built by
         ``from_pretrained(tensor_parallel_size=N)``, which starts the other ranks)."""
+        if tensor_parallel_size != 1 and channel is None:
+            raise DDTreeError(
+                "tensor_parallel_size needs Engine.from_pretrained(TARGET_DIR, DRAFTER_DIR, "
+                "tensor_parallel_size=N): every rank loads its own shard from the target's directory"
+            )
         self.target = target.eval()
         self.tokenizer = tokenizer
         if drafter is not None:

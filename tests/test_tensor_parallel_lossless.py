@@ -125,7 +125,8 @@ def test_real_shapes_under_tensor_parallelism_are_lossless_and_differ_from_one_p
     """Qwen3-0.6B's shapes (vocabulary 151936, GQA 16/8, head_dim 128, a 40,960-token context), 2 layers,
     bf16: within TP 2, ddtree emits ar's tokens. Against one process, the all-reduce sums bf16 partial sums
     in another order; with random weights the logits are near-flat, so a greedy pick may flip, and only at
-    a tie: the first difference of each prompt is within one bf16 step of the top logit (printed)."""
+    a tie: at the first difference of a prompt both picks are within two bf16 steps of the top logit
+    (printed with the gap; measured: one step, 0.0156 at logits near 2.8)."""
     target_dir, drafter_dir = real_size_models(tmp_path, layers=2)
     prompts = [[5 + i, 17, 151935, 9000 + i, 77, 12] for i in range(4)]
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
@@ -153,4 +154,5 @@ def test_real_shapes_under_tensor_parallelism_are_lossless_and_differ_from_one_p
         print(
             f"token {k}: one process {mine[k]}, TP {TP} {theirs[k]}, logit gap {gap:.4f} (bf16 step {step})"
         )
-        assert top - logits[theirs[k]].item() <= step and top - logits[mine[k]].item() <= step
+        # each of the forward's 4 all-reduces rounds its sum once: a pick within 2 steps of the top is a tie
+        assert top - logits[theirs[k]].item() <= 2 * step and top - logits[mine[k]].item() <= 2 * step

@@ -6,13 +6,14 @@ the LM head, acceptance and every coin. Each other rank holds only its shard of 
 blocks). Every call of the model runner that touches the target (prefill, the verify forward, packing the
 accepted KV, a timed forward, the start-up shapes) is first sent by rank 0 over a ``StepChannel``; the
 other ranks make the same call with the same shapes, and the forwards' all-reduces pair up. The drafter's
-pass and everything after the target's hidden states run on rank 0 alone, so its sampling, trees and
-outputs are the single-process engine's.
+pass and everything after the target's hidden states run on rank 0 alone: trees, verdicts and coins are
+decided there, as in one process (the hidden states differ from one process's only by the all-reduce's
+order of summation).
 
-A step's message is a header (the call's name, its host values, the shapes and dtypes of its tensors),
-broadcast as a pickled object over a gloo group, then one broadcast of all its tensors' bytes over the
-data group (gloo on CPUs, NCCL on GPUs, so the round's tensors never visit the host). The other ranks wait
-for headers on a group with no practical timeout: a server may sit idle for days.
+A message is a header (the calls' names, their host values, the shapes and dtypes of their tensors),
+broadcast pickled over a gloo group, then one broadcast of all their tensors' bytes over the data group
+(gloo on CPUs, NCCL on GPUs, so the round's tensors never visit the host). The other ranks wait for
+headers on a group with no practical timeout: a server may sit idle for days.
 
 Two ways to start: ``Engine.from_pretrained(tensor_parallel_size=N)`` (``--tensor-parallel-size N``)
 spawns ranks 1..N-1 on this machine; under ``torchrun`` (one process a rank, on one node or several

@@ -175,15 +175,7 @@ def load_sharded_engine(args: argparse.Namespace, cfg, max_batch_size: int):
         raise DDTreeError(
             "--tensor-parallel-size runs the engine's methods only: drop hf and hf-pld from --methods"
         )
-    target_dir, drafter_dir = args.target, args.drafter
-    if target_dir is None and drafter_dir is None:
-        from ddtree.models import DEFAULT_DRAFTER, DEFAULT_TARGET
-
-        target_dir, drafter_dir = DEFAULT_TARGET, DEFAULT_DRAFTER
-    if not cfg.needs_drafter:
-        drafter_dir = None
-    elif drafter_dir is None:
-        raise DDTreeError("methods dflash and ddtree need --drafter when --target is given")
+    target_dir, drafter_dir = model_dirs(args, cfg.needs_drafter)
     engine = Engine.from_pretrained(
         target_dir,
         drafter_dir,
@@ -215,10 +207,10 @@ def compile_info(engines: dict) -> dict:
     }
 
 
-def load_models(args: argparse.Namespace, needs_drafter: bool):
-    """Target, tokenizer and drafter (None unless needed) for the flags, and their directories; the
-    built-in pair when no model directory is given."""
-    from ddtree.models import DEFAULT_DRAFTER, DEFAULT_TARGET, check_device, load_drafter, load_target
+def model_dirs(args: argparse.Namespace, needs_drafter: bool):
+    """The target's and drafter's directories (the drafter None unless needed) for the flags; the built-in
+    pair when no model directory is given."""
+    from ddtree.models import DEFAULT_DRAFTER, DEFAULT_TARGET
 
     if args.target is None and not DEFAULT_TARGET.is_dir():
         raise DDTreeError("the built-in models are not installed; pass --target (and --drafter)")
@@ -228,6 +220,14 @@ def load_models(args: argparse.Namespace, needs_drafter: bool):
         drafter = None
     elif drafter is None:
         raise DDTreeError("methods dflash and ddtree need --drafter when --target is given")
+    return target, drafter
+
+
+def load_models(args: argparse.Namespace, needs_drafter: bool):
+    """Target, tokenizer and drafter (None unless needed) for the flags, and their directories."""
+    from ddtree.models import check_device, load_drafter, load_target
+
+    target, drafter = model_dirs(args, needs_drafter)
     device = check_device(args.device)
     target_model, tokenizer = load_target(target, device, args.dtype, args.max_model_len)
     drafter_model = None
@@ -239,7 +239,6 @@ def load_models(args: argparse.Namespace, needs_drafter: bool):
 
 def run_bench_command(args: argparse.Namespace) -> None:
     """Run, write the four outputs, print the Markdown, and fail loudly on a T = 0 mismatch."""
-
     from ddtree.bench.prompts import load_prompts
     from ddtree.bench.runner import BenchConfig
 

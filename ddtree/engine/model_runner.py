@@ -415,13 +415,12 @@ class ModelRunner:
     def timed_forward(self, tokens: int) -> float:
         """Seconds of a ``tokens``-token forward that writes only the scratch block (the auto budget's
         cost model)."""
-        now = self.now
         ids = torch.zeros(1, tokens, dtype=torch.int64, device=self.device)
         cols = torch.arange(tokens, device=self.device)[None]
         tables = torch.zeros(1, self.width + 1, dtype=torch.int64, device=self.device)
         span = self.span(tokens)
         mask = torch.ones(1, 1, tokens, span, dtype=torch.bool, device=self.device)
-        t = now()
+        t = self.now()
         with torch.inference_mode():
             self.forward(ids, cols, self.cache.at(tables, cols, span), mask)
-        return now() - t
+        return self.now() - t

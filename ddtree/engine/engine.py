@@ -379,6 +379,7 @@ class Engine:
                     accept_thresholds=(self.accept_threshold_single, self.accept_threshold_acc),
                 ),
                 generator=torch.Generator(device=self.device).manual_seed(seed),
+                auto_width=self.auto.start_width,
             )
         )
         return request_id
@@ -576,9 +577,9 @@ class Engine:
             draft_logits = self.proposer.draft(drafting) if drafting else None  # [D, depth, V]
         with clock.stage("tree"):
             trees = self.proposer.trees(rows, drafting, draft_logits)
-            logw = None
+            seen = None
             if any(r.auto for r in drafting):
-                trees, logw = self.auto.choose(rows, trees, len(drafting))
+                trees, seen = self.auto.choose(rows, trees, len(drafting))
         with clock.stage("inputs"):
             batch = self.verifier.inputs(rows, trees)
         with clock.stage("verify"):
@@ -591,7 +592,7 @@ class Engine:
             accepted = self.verifier.accept(rows, trees, hidden)  # the LM head closes the target forward
         with clock.stage("commit"):
             deltas, verdicts = self.verifier.commit(rows, accepted, hidden, features, batch.tables)
-            self.auto.learn(rows, trees.sizes, logw, verdicts)
+            self.auto.learn(rows, trees.sizes, seen, verdicts)
             self._release_finished(rows)
         elapsed = time.perf_counter() - t_round
         seconds = clock.seconds()

@@ -62,6 +62,8 @@ from ddtree.params import (
     parse_size,
 )
 
+PREFILL_GAP_ROUNDS = 4  # while requests decode, a prefill step takes about this many rounds' time at most
+
 
 def check_engine_options(
     method: str, budget: int, topk: int | None, has_drafter: bool
@@ -70,6 +72,11 @@ def check_engine_options(
     if method != "ar" and not has_drafter:
         raise DDTreeError(f"method {method!r} needs a drafter; pass one or use method 'ar'")
     return method, budget, topk
+
+
+def moving(average: float | None, value: float, weight: float = 0.2) -> float:
+    """An exponential moving average's next value (the first value starts it)."""
+    return value if average is None else (1 - weight) * average + weight * value
 
 
 class Engine:
@@ -182,6 +189,9 @@ class Engine:
         self.warmup_seconds = 0.0
         if compile:
             self.warm_up()
+        # Measured, to cut prefill chunks while requests decode (``_pace_prefill``).
+        self._token_seconds: float | None = None  # moving average of a prefill step's seconds per token
+        self._round_seconds: float | None = None  # moving average of a round's seconds
         self._followed: dict[str, deque[StreamDelta]] = {}  # request id -> deltas its stream has not read
         self._unclaimed: list[StreamDelta] = []  # deltas the next `step` returns
 
@@ -543,6 +553,10 @@ class Engine:
             zip(first, self.verifier.first_tokens(logits[first], [batch[i] for i in first]), strict=True)
         )
         seconds = self._now() - t0
+        self._token_seconds = moving(
+            self._token_seconds, seconds / (len(chunks) * max(c.tokens for c in chunks))
+        )
+        self._pace_prefill()
         deltas = []
         for i in done:
             r = batch[i]
@@ -595,6 +609,8 @@ class Engine:
             self.auto.learn(rows, trees.sizes, seen, verdicts)
             self._release_finished(rows)
         elapsed = time.perf_counter() - t_round
+        self._round_seconds = moving(self._round_seconds, elapsed)
+        self._pace_prefill()
         seconds = clock.seconds()
         if clock.enabled:
             self.auto.observe(batch.ids.numel(), seconds["verify"], len(drafting), seconds["draft"], elapsed)
@@ -603,6 +619,16 @@ class Engine:
                 r.stats.stage_seconds[name] += value
             r.stats.decode_seconds += elapsed
         return deltas
+
+    def _pace_prefill(self) -> None:
+        """While requests decode, a prefill step's tokens are what ``PREFILL_GAP_ROUNDS`` rounds' time
+        prefills (both measured), so a long prompt arriving delays the running streams by a few rounds per
+        step however fast or slow the machine; at least one KV block a step. ``max_num_batched_tokens``
+        still caps it. (A step's fixed cost makes small chunks dearer per token: the chunk settles where
+        fixed + tokens x cost per token fills the rounds' time.)"""
+        if self._round_seconds is not None and self._token_seconds is not None:
+            tokens = int(PREFILL_GAP_ROUNDS * self._round_seconds / self._token_seconds)
+            self.scheduler.decode_chunk = max(self.blocks.block_size, tokens)
 
     def _release_finished(self, rows: list[Request]) -> None:
         for r in rows:

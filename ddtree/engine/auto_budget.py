@@ -34,7 +34,7 @@ PROBE_SHARE = 0.02  # ... this share of the plain rounds between two probes
 START_WIDTH = 8  # drafted nodes a new request starts from (while drafting pays)
 RECENT = 0.3  # weight of the newest drafting round in the moving average that decides
 RARELY_ACCEPTED = 0.1  # below this rate of accepted first drafts, the drafter does not fit the target
-EVIDENCE = 8  # first drafts seen before the rate is trusted
+EVIDENCE = 4  # first drafts seen before the rate is trusted
 
 
 @dataclass
@@ -120,12 +120,16 @@ class AutoBudget:
         if self._ratio >= 1.0:
             self._auto_backoff = 0
             self._say(True, "drafting", AutoStatus.reason)
-        else:  # plain rounds for a stretch: 1, 2, 4, ... up to where the probes cost PROBE_SHARE or less
+        else:  # plain rounds for a stretch: 1, 2, 4, ... up to where the probes cost PROBE_SHARE or less;
+            # at once there when the first drafts are rarely accepted (the drafter does not fit the target)
             cheap = math.ceil(self.status.draft_ms / (PROBE_SHARE * self.status.plain_round_ms))
-            self._auto_backoff = min(max(2 * self._auto_backoff, 1), max(AUTO_MAX_BACKOFF, cheap))
+            longest = max(AUTO_MAX_BACKOFF, cheap)
+            kind, why = self._why_plain(gains)
+            grown = longest if kind == "rarely accepted" else 2 * self._auto_backoff
+            self._auto_backoff = min(max(grown, 1), longest)
             self.scheduler.auto_skip = self._auto_backoff
             widths = [0] * len(auto)
-            self._say(False, *self._why_plain(gains))
+            self._say(False, kind, why)
         for i, k, w in zip(auto, counts, widths, strict=True):
             sizes[i] = k + 1
             rows[i].auto_width = w
@@ -145,7 +149,7 @@ class AutoBudget:
         return "does not pay", (
             f"drafting does not pay here (a drafter pass costs {s.draft_ms:.1f} ms, a plain round "
             f"{s.plain_round_ms:.1f} ms, and a row's first draft is accepted with probability "
-            f"{expected:.2f}): running plain rounds, probing again after {self.scheduler.auto_skip}"
+            f"{expected:.2f}): running plain rounds, drafting again when a probe says it pays"
         )
 
     def _say(self, drafting: bool, kind: str, reason: str) -> None:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+SPREAD = 0.01  # the share of the sizes' second moment their variance must reach to refit the slope
+
 
 @dataclass
 class LinearCost:
@@ -27,6 +29,7 @@ class LinearCost:
     fixed: float = 0.0
     per_unit: float = 0.0
     decay: float = 0.95
+    sloped: bool = True  # False: a level only (per_unit stays as given)
     _stats: np.ndarray = field(default_factory=lambda: np.zeros(5))  # weight, sum x, sum y, sum xx, sum xy
 
     def predict(self, units: float) -> float:
@@ -38,11 +41,15 @@ class LinearCost:
         )
         w, sx, sy, sxx, sxy = self._stats
         var = w * sxx - sx * sx
-        if var > 1e-12 * max(w * sxx, 1e-30):
+        # A slope needs sizes that really differ among the weighted points: after a long run of one size
+        # (plain rounds are all 1 token) the others' weights have decayed to rounding noise.
+        if self.sloped and var > SPREAD * max(w * sxx, 1e-30):
             slope = (w * sxy - sx * sy) / var
             self.per_unit = max(slope, 0.0)
             self.fixed = max((sy - self.per_unit * sx) / w, 0.0)
-        else:  # one size seen so far: keep the slope, move the level
+        else:  # one size seen lately: keep the slope (no more than the data allow), move the level
+            if sx > 0:
+                self.per_unit = min(self.per_unit, sy / sx)
             self.fixed = max(sy / w - self.per_unit * sx / w, 0.0)
 
 
@@ -50,11 +57,12 @@ class LinearCost:
 class CostModel:
     """Seconds of one round: the target forward over ``tokens`` (all rows, padded), the drafter pass over
     ``draft_rows`` rows (0 = no pass), and the rest of the round (tree building, masks, the walk, the
-    commit: host work that grows with the tokens verified too)."""
+    commit). The rest is a level: fitted against the tokens, one slow round among hundreds of plain ones
+    (the first auto round of a process) made every tree token look milliseconds dear."""
 
     verify: LinearCost = field(default_factory=LinearCost)
     draft: LinearCost = field(default_factory=LinearCost)
-    overhead: LinearCost = field(default_factory=LinearCost)
+    overhead: LinearCost = field(default_factory=lambda: LinearCost(sloped=False))
     frozen: bool = False  # a given cost function (tests, or a user who measured it): no timing, no updates
 
     def observe(self, verify_tokens: int, verify_seconds: float, draft_rows: int, draft_seconds: float,

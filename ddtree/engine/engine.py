@@ -53,6 +53,7 @@ from ddtree.models import (
     eos_token_ids,
     load_drafter,
     load_target,
+    media_token_ids,
 )
 from ddtree.params import (
     AUTO,
@@ -116,7 +117,7 @@ class Engine:
         self.target = target.eval()
         self.tokenizer = tokenizer
         if drafter is not None:
-            check_pair(target, drafter)
+            check_pair(target, drafter, tokenizer)
         self.method, self.budget, self.topk = check_engine_options(method, budget, topk, drafter is not None)
         self.accept_threshold_single, self.accept_threshold_acc = check_accept_thresholds(
             accept_threshold_single, accept_threshold_acc
@@ -196,6 +197,7 @@ class Engine:
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "auto",
         tensor_parallel_size: int = 1,
+        trust_remote_code: bool = False,
         **engine_options,
     ) -> Engine:
         """Load a target (and drafter) from local directories; with neither, the built-in pair.
@@ -206,7 +208,10 @@ class Engine:
         ``tensor_parallel_size`` N > 1 shards the target over N ranks (``ddtree.engine.ranks``): this
         process is rank 0 and spawns ranks 1..N-1 (gloo on the CPU; NCCL on GPUs 0..N-1), or, started by
         torchrun, joins its ranks; there a rank other than 0 serves rank 0's steps and exits when it stops.
-        ``close()`` (or ``with``) ends them."""
+        ``close()`` (or ``with``) ends them.
+
+        ``trust_remote_code`` lets a tokenizer that ships as code in the checkpoint (Kimi's) run; the model
+        is always transformers' own class."""
         if target_dir is None and drafter_dir is None:
             target_dir, drafter_dir = DEFAULT_TARGET, DEFAULT_DRAFTER
         check_engine_options(method, budget, topk, drafter_dir is not None)  # fail before loading weights
@@ -216,12 +221,16 @@ class Engine:
         channel = None
         if tensor_parallel_size > 1:
             target, tokenizer, channel = start_tensor_parallel(
-                target_dir, dtype, device, max_model_len, tensor_parallel_size
+                target_dir, dtype, device, max_model_len, tensor_parallel_size, trust_remote_code
             )
             device = channel.device
         else:
             target, tokenizer = load_target(
-                target_dir, device=device, dtype=dtype, max_model_len=max_model_len
+                target_dir,
+                device=device,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                trust_remote_code=trust_remote_code,
             )
         try:
             drafter = None
@@ -269,6 +278,7 @@ class Engine:
 
     device = property(lambda self: self.runner.device)
     dtype = property(lambda self: self.runner.dtype)
+    kv_cache_bytes_per_token = property(lambda self: self.runner.kv_cache_bytes_per_token)
     drafter = property(lambda self: self.runner.drafter)
     embed = property(lambda self: self.runner.embed)
     lm_head = property(lambda self: self.runner.lm_head)
@@ -479,6 +489,12 @@ class Engine:
         vocab = self.embed.num_embeddings
         if any(t < 0 or t >= vocab for t in ids):
             raise DDTreeError(f"prompt token ids must be in [0, {vocab})")
+        media = media_token_ids(self.target).intersection(ids)
+        if media:
+            raise DDTreeError(
+                f"prompt holds image/video placeholder token ids {sorted(media)}: ddtree serves this "
+                "model's text backbone only; send text"
+            )
         return ids
 
     def _follow(self, request_id: str) -> Iterator[StreamDelta]:

@@ -110,7 +110,6 @@ def mismatched(target, **overrides) -> DFlashDrafter:
     ("overrides", "message"),
     [
         ({"hidden_size": 32}, "hidden size"),
-        ({"vocab_size": 64}, "vocabulary"),
         ({"target_layer_ids": [7]}, "outside the target"),
         ({"mask_token_id": None}, "mask_token_id"),
         ({"mask_token_id": 999}, "mask_token_id"),

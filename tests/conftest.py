@@ -147,9 +147,13 @@ def deepseek_v3_fields(vocab: int = VOCAB, init: float = 0.3, layers: int = 3) -
     )
 
 
-def tiny_moe_target(kind: str, vocab: int = VOCAB, seed: int = 0, init: float = 0.3, layers: int = 3):
+def tiny_moe_target(
+    kind: str, vocab: int = VOCAB, seed: int = 0, init: float = 0.3, layers: int = 3, image_token_id: int = -2
+):
     """A target of ``kind`` (MOE_KINDS) whose greedy continuations vary; routers get a random selection
-    bias (DeepSeek's noaux_tc ``e_score_correction_bias``), so routing differs from the scores' top-k."""
+    bias (DeepSeek's noaux_tc ``e_score_correction_bias``), so routing differs from the scores' top-k.
+    Kimi's image placeholder is ``image_token_id`` (negative: from the vocabulary's end; ``vocab``: none
+    the model can emit, where HF's wrapper would embed an emitted one as token 0)."""
     torch.manual_seed(seed)
     fields = deepseek_v3_fields(vocab, init, layers)
     if kind == "deepseek_v3":
@@ -164,7 +168,7 @@ def tiny_moe_target(kind: str, vocab: int = VOCAB, seed: int = 0, init: float = 
             text_config=fields | {"model_type": "kimi_k2"},
             vision_config=vision,
             projection_hidden_size=32,
-            image_token_id=vocab - 2,
+            image_token_id=image_token_id % (vocab + 1),
             video_token_id=vocab,
             tie_word_embeddings=False,
         )

@@ -66,7 +66,7 @@ def saved(request, tmp_path_factory):
     """(kind, target dir, drafter dir, {prompt: HF's greedy continuation}), HF's run on HF's own class
     (Kimi: the whole multimodal wrapper, fed text token ids)."""
     root = tmp_path_factory.mktemp(request.param)
-    target = tiny_moe_target(request.param, vocab=VOCAB)
+    target = tiny_moe_target(request.param, vocab=VOCAB, image_token_id=VOCAB)  # Kimi: no placeholder
     target.save_pretrained(root / "target")
     TOKENIZER.save_pretrained(root / "target")
     moe_drafter(target).save_pretrained(root / "drafter")
@@ -132,12 +132,8 @@ def test_mla_batch_preemption_and_chunked_prefill_change_no_output(mla):
     probe = Engine(*mla, max_model_len=CONTEXT)
     solo = [run(probe, [spec])[0] for spec in requests]
     per_request = -(-(20 + 60 + probe.drafter.block_size) // 16)
-    tight = Engine(
-        *mla,
-        max_model_len=CONTEXT,
-        max_num_seqs=6,
-        kv_cache_memory=2 * per_request * probe.runner.block_bytes,
-    )
+    budget = 2 * per_request * probe.runner.block_bytes
+    tight = Engine(*mla, max_model_len=96, max_num_seqs=6, kv_cache_memory=budget)
     assert run(tight, requests) == solo
     assert tight.num_preemptions > 0
     chunked = Engine(*mla, max_model_len=CONTEXT, max_num_seqs=6, max_num_batched_tokens=5)

@@ -140,23 +140,27 @@ def test_mla_batch_preemption_and_chunked_prefill_change_no_output(mla):
     assert run(chunked, requests) == solo
 
 
-def test_compiled_mla_rounds_match_eager(mla):
-    """compile=True (fixed shapes, one batch and node bucket) on an MLA target, SDPA and flex attention:
+@pytest.mark.parametrize("attention", ["sdpa", pytest.param("flex", marks=pytest.mark.slow)])
+def test_compiled_mla_rounds_match_eager(attention):
+    """compile=True (fixed shapes: one batch and one node bucket) on a two-layer MLA target (a dense layer
+    and an MoE one), SDPA and flex attention (the absorbed form over the latent pool viewed as one KV head):
     the same greedy tokens and seeded samples as the eager engine."""
+    target = tiny_moe_target("deepseek_v3", layers=2)
+    models = (target, moe_drafter(target))
     requests = specs(3, new=16)
-    eager = run(Engine(*mla, max_model_len=64, max_num_seqs=2), requests)
-    for attention in ("sdpa", "flex"):
-        compiled = Engine(
-            *mla,
-            max_model_len=64,
-            max_num_seqs=2,
-            budget=8,
-            compile=True,
-            batch_buckets=[2],
-            node_buckets=[9],
-            attention=attention,
-        )
-        assert run(compiled, requests) == eager, attention
+    eager = run(Engine(*models, max_model_len=64, max_num_seqs=2), requests)
+    compiled = Engine(
+        *models,
+        max_model_len=64,
+        max_num_seqs=2,
+        budget=8,
+        compile=True,
+        batch_buckets=[2],
+        node_buckets=[9],
+        attention=attention,
+    )
+    assert run(compiled, requests) == eager
+    assert bool(compiled.runner.block_masks) == (attention == "flex")  # the rounds went through flex
 
 
 def test_absorbed_and_expanded_mla_attention_agree_on_trees(mla):

@@ -221,11 +221,11 @@ class EngineWorker:
         )
         pool = engine.kv_cache_summary()
         log.info(
-            "KV cache: %d tokens (%d blocks of %d; %.2f GiB, %s), %d bytes per token (%s); maximum "
+            "KV cache: %d blocks of %d tokens, %d tokens (%.2f GiB, %s), %d bytes per token (%s); maximum "
             "concurrency for max-model-len requests (%d tokens): %.1fx",
-            pool["kv_cache_tokens"],
             engine.blocks.num_blocks - 1,
             engine.blocks.block_size,
+            pool["kv_cache_tokens"],
             engine.runner.kv_cache_bytes / (1 << 30),
             engine.dtype,
             pool["kv_cache_bytes_per_token"],

@@ -23,6 +23,15 @@ from ddtree.kv_cache import PagedKVCache
 from ddtree.models import load_target, text_backbone
 from ddtree.params import SamplingParams
 from ddtree.tensor_parallel import shard_target
+from ddtree.training.drafter import (
+    DrafterConfig,
+    build_drafter,
+    load_frozen_target,
+    loss_weights,
+    make_optimizer,
+    target_features,
+    train_step,
+)
 from tests.conftest import (
     MOE_KINDS,
     moe_drafter,
@@ -356,3 +365,23 @@ def test_generate_stats_report_the_latent_pool(tmp_path, capsys):
     assert stats["kv_cache_layout"] == "MLA latent"
     assert stats["kv_cache_tokens"] % 16 == 0 and stats["kv_cache_tokens"] >= 64
     assert stats["max_concurrency"] >= 1
+
+
+def test_a_drafter_trains_on_an_mla_target(saved):
+    """``ddtree train drafter``'s pieces on each family: the loaded target, a drafter ``build_drafter`` shapes
+    for it, the truncated feature forward equal to HF's hidden states, and steps that update the drafter."""
+    kind, target_dir, _, _ = saved
+    target, _ = load_frozen_target(target_dir)
+    cfg = DrafterConfig(num_layers=1, block_size=4, anchors=4, lr=3e-3, warmup_steps=1)
+    drafter = build_drafter(target, cfg, mask_token_id=VOCAB - 1)
+    assert drafter.config.hidden_size == target.config.hidden_size
+    ids = torch.randint(0, VOCAB - 1, (2, 20), generator=torch.Generator().manual_seed(0))
+    full = target(input_ids=ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(target_features(target, drafter, ids), drafter.select_features(full))
+    drafter.train()
+    before = [p.detach().clone() for p in drafter.parameters()]
+    opt, gen = make_optimizer(drafter, cfg), torch.Generator().manual_seed(0)
+    lengths, prompt_lens = torch.tensor([20, 16]), torch.tensor([8, 8])
+    loss, _ = train_step(target, drafter, opt, ids, lengths, prompt_lens, cfg, gen, loss_weights(4))
+    assert torch.isfinite(torch.tensor(loss)), kind
+    assert all(not torch.equal(a, b) for a, b in zip(before, drafter.parameters(), strict=True))

@@ -74,7 +74,13 @@ class CostModel:
 
 
 class AcceptanceCalibration:
-    """P(a drafted node is accepted | its draft path probability), learned per kind ("greedy", "sampled").
+    """P(a drafted node is accepted | its parent was, and the drafter's probability of its token given the
+    parent), learned per kind ("greedy", "sampled").
+
+    Conditional, not per path: a node at path probability 0.3 on the likeliest path (every step the
+    drafter's first choice) is accepted far more often than a sibling at 0.3, and one table over path
+    probabilities would undervalue the first and overvalue the second. ``tree_acceptance`` multiplies the
+    calibrated steps along each node's path.
 
     Binned on the predicted probability; each bin starts with a weak prior at its own midpoint (the drafter
     taken at its word) and moves toward the observed acceptance rate as verified nodes come in.
@@ -99,6 +105,28 @@ class AcceptanceCalibration:
         hits = hits + np.bincount(b, weights=accepted.astype(float), minlength=hits.size)
         seen = seen + np.bincount(b, minlength=seen.size)
         self._counts[kind] = (hits, seen)
+
+
+def conditional_probs(logw: np.ndarray, parents: np.ndarray) -> np.ndarray:
+    """[N] each node's draft probability given its parent (the root's: 1), from one tree's cumulative draft
+    log-probs and parents (root first, parents before children)."""
+    return np.exp(logw - logw[np.maximum(parents, 0)])
+
+
+def tree_acceptance(
+    calibration: AcceptanceCalibration, kind: str, logw: np.ndarray, parents: np.ndarray
+) -> np.ndarray:
+    """[N] P(node accepted) for every node of one tree (root first: 1): the calibrated conditional
+    acceptances multiplied along each node's path."""
+    step = calibration.calibrate(kind, conditional_probs(logw, parents))
+    step[0] = 1.0
+    up = np.maximum(parents, 0)
+    accept = step.copy()
+    while True:  # one level more of every path per pass; a tree of depth D settles after D passes
+        deeper = step * accept[up]
+        if np.array_equal(deeper, accept):
+            return accept
+        accept = deeper
 
 
 def choose_counts(

@@ -26,14 +26,13 @@ from ddtree.argparsing import (
 )
 from ddtree.bench.cli import register_bench
 from ddtree.errors import DDTreeError
-from ddtree.params import METHODS, check_accept_thresholds, check_speculative_options, parse_budget
+from ddtree.params import AUTO, METHODS, check_accept_thresholds, check_speculative_options, parse_budget
 from ddtree.training.cli import register as register_train
 
 DESCRIPTION = """\
 Lossless speculative decoding with DDTree over DFlash drafters: generate text, serve an
 OpenAI-compatible API, benchmark the methods, or train models. With no --target / --drafter,
 every command uses the small built-in model pair."""
-DEFAULT_BUDGET = 16  # the fastest budget measured on a CPU (docs/benchmarks.md), until budget="auto" exists
 GENERATE_EXAMPLES = """examples:
   ddtree generate "def fibonacci(n):" --stats
   echo "import os" | ddtree generate - --temperature 0.7 --seed 1
@@ -60,9 +59,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         default="ddtree",
         help="ddtree: draft tree; dflash: the drafter's argmax chain; ar: plain decoding",
     )
-    p.add_argument("--budget", type=parse_budget, default=DEFAULT_BUDGET,
+    p.add_argument("--budget", type=parse_budget, default=AUTO,
                    help="ddtree: draft tree nodes per round, or 'auto' (chosen per round from the measured "
-                   "cost and the calibrated acceptance)")  # fmt: skip
+                   "cost and calibrated acceptance; plain rounds where drafting does not pay)")  # fmt: skip
     add_draft_topk(p)
     p.add_argument(
         "--speculative-accept-threshold-single",

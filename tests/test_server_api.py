@@ -176,9 +176,19 @@ def test_speculative_budget_auto_is_chosen_per_round_and_reported(http):
     }
     r = http.post(C, json=body)
     assert r.status_code == 200, r.text
-    assert r.json()["ddtree"]["budget"] == "auto"
+    stats = r.json()["ddtree"]
+    assert stats["budget"] == "auto" and len(stats["drafted_nodes"]) == stats["rounds"]
+    assert isinstance(stats["auto"]["drafting"], bool) and stats["auto"]["reason"]
+    assert stats["auto"]["draft_ms"] > 0 and stats["auto"]["plain_round_ms"] > 0  # the measured costs
     plain = http.post(C, json=COMPLETION | {"max_tokens": 12, "temperature": 0, "speculative": False}).json()
     assert r.json()["choices"][0]["text"] == plain["choices"][0]["text"]  # greedy: lossless either way
+    assert "auto" not in plain["ddtree"]  # plain decoding chose nothing
+    metrics = http.get("/metrics").text
+    assert "ddtree_auto_drafting " in metrics and 'ddtree_auto_cost_seconds{part="draft"}' in metrics
+    drafted = [
+        line for line in metrics.splitlines() if line.startswith("ddtree_spec_decode_drafted_tokens_total")
+    ]
+    assert sum(float(line.split()[-1]) for line in drafted) >= sum(stats["drafted_nodes"])
 
 
 def test_lossless_responses_name_no_thresholds_and_lossy_ones_name_both(http, model_dirs):

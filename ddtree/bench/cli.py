@@ -31,7 +31,7 @@ from ddtree.errors import DDTreeError
 from ddtree.params import parse_budget
 
 DEFAULT_METHODS = "ar,dflash,ddtree,hf,hf-pld"
-DEFAULT_BUDGETS = "4,8,16,32,64,128"
+DEFAULT_BUDGETS = "auto,4,8,16,32,64,128"
 DESCRIPTION = """\
 Measure tau, TPOT and speedup of ar / dflash / ddtree and HF generate / prompt lookup on the
 same prompts, interleaved; writes results.json, results.md and two plots to --out."""

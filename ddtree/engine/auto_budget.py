@@ -1,20 +1,56 @@
 """The ``budget="auto"`` policy: how many drafted nodes each auto row verifies this round, and when drafting
 does not pay at all. The math (cost model, calibration, the greedy choice) is ``ddtree.budget``'s; this is
 where the engine feeds it what it measured and acts on its answer.
+
+When the chosen trees stop paying against rounds without the drafter (a moving average over drafting rounds),
+auto rows run plain rounds for a stretch, then probe again. A probe learns even when it verifies nothing:
+whether the target's next token equals the drafter's likeliest first token is exactly whether that node would
+have been accepted, greedy or sampled. Stretches double while probes fail (1, 2, 4, ...), and may grow until
+probes cost at most ``PROBE_SHARE`` of the plain rounds between them, so a drafter that never pays costs a
+few percent, not a multiple.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, field, replace
 
-from ddtree.budget import AcceptanceCalibration, CostModel, choose_counts
+import numpy as np
+import torch
+
+from ddtree.budget import AcceptanceCalibration, CostModel, choose_counts, conditional_probs, tree_acceptance
 from ddtree.engine.model_runner import ModelRunner
-from ddtree.engine.request import Request
+from ddtree.engine.request import AutoStatus, Request
 from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.verifier import Verdict
 from ddtree.tree import TreeBatch
 
-AUTO_MAX_BACKOFF = 128  # the longest stretch of plain rounds before "auto" rows draft again
+logger = logging.getLogger("ddtree")
+
+AUTO_MAX_BACKOFF = 128  # stretches double up to this, or longer where a probe costs more than ...
+PROBE_SHARE = 0.02  # ... this share of the plain rounds between two probes
+START_WIDTH = 8  # drafted nodes a new request starts from (while drafting pays)
+RECENT = 0.3  # weight of the newest drafting round in the moving average that decides
+RARELY_ACCEPTED = 0.1  # below this rate of accepted first drafts, the drafter does not fit the target
+EVIDENCE = 8  # first drafts seen before the rate is trusted
+
+
+@dataclass
+class AutoRound:
+    """What a round's choice brought to the host, for learning once the verdicts are in."""
+
+    logw: np.ndarray  # [B, N] candidates' cumulative draft log-probs, pop order (root first)
+    tokens: np.ndarray  # [B, N] candidates' tokens
+    parents: np.ndarray  # [B, N] candidates' parents (0: a first draft, a child of the root)
+    candidates: np.ndarray  # [B] candidate nodes per row, root included
+    auto: list[int] = field(default_factory=list)  # rows with budget "auto"
+
+
+def kind(r: Request) -> str:
+    """The calibration a row learns and reads: greedy and sampled acceptance differ."""
+    return "greedy" if r.params.greedy else "sampled"
 
 
 class AutoBudget:
@@ -26,23 +62,37 @@ class AutoBudget:
         self.now = now
         self.cost = cost_model or CostModel()  # measured at the first auto round, then kept current
         self.calibration = AcceptanceCalibration()
+        self.status = AutoStatus()
         self._costs_measured = False
+        self._seeding = False  # this round ran the seeding forwards
+        self._ratio: float | None = None  # moving average: expected tokens/s drafting over plain
         self._auto_backoff = 0  # length of the last stretch of plain rounds: 1, 2, 4, ... AUTO_MAX_BACKOFF
+        self._first: deque[bool] = deque(maxlen=64)  # recent first drafts: accepted or not
+        self._said: set[str] = set()  # the kinds of reasons to run plain already logged
 
-    def choose(self, rows: list[Request], trees: TreeBatch, draft_rows: int) -> tuple[TreeBatch, np.ndarray]:
+    @property
+    def start_width(self) -> int:
+        """A new request's first candidate width: none while drafting does not pay (it joins the stretch
+        and the next probe), else ``START_WIDTH``."""
+        return START_WIDTH if self.status.drafting else 0
+
+    def choose(self, rows: list[Request], trees: TreeBatch, draft_rows: int) -> tuple[TreeBatch, AutoRound]:
         """Cut every "auto" row's candidate tree to the prefix of its pop order that maximises the batch's
         expected tokens per second (ddtree.budget), and start a stretch of plain rounds for the auto rows
-        when even the best pick loses to a round without the drafter. Returns the cut trees and the trees'
-        draft log-probs on the host [B, N] (the round's one extra device->host copy, for auto rows only)."""
+        when even the best pick loses to a round without the drafter. Returns the cut trees and what the
+        choice read from the device (the round's extra device->host copies, for auto rows only)."""
         if not (self._costs_measured or self.cost.frozen):
             self._measure_costs()
         logw = trees.logw.cpu().numpy()  # [B, N]
+        ids = torch.stack((trees.tokens, trees.parents)).cpu().numpy()  # [2, B, N]
         sizes = trees.sizes.copy()
         auto = [i for i, r in enumerate(rows) if r.auto and sizes[i] > 1]
+        seen = AutoRound(logw, ids[0], ids[1], trees.sizes.copy(), auto)
+        accepts = [self._expected_accepts(r, seen, i) for i, r in enumerate(rows)]  # [m_i] per row
         base = float(len(rows))  # every row commits at least its bonus token
         for i, m in enumerate(sizes):
             if i not in auto and m > 1:
-                base += self._expected_accepts(rows[i], np.exp(logw[i, 1:m])).sum()
+                base += accepts[i][1:].sum()
         widest_fixed = max((m for i, m in enumerate(sizes) if i not in auto), default=1)
         b = len(rows)
 
@@ -51,51 +101,119 @@ class AutoBudget:
             return self.cost.round_seconds(b * width, draft_rows)
 
         probs = [np.exp(logw[i, 1 : sizes[i]]) for i in auto]  # [n_i] path probabilities, pop order
-        gains = [self._expected_accepts(rows[i], p) for i, p in zip(auto, probs, strict=True)]
+        gains = [accepts[i][1:] for i in auto]  # [n_i] calibrated acceptance, pop order
         counts = choose_counts(probs, gains, base, seconds)
-        # Drafting pays when the chosen trees beat a plain round that skips the drafter altogether.
         chosen_gain = base + sum(g[:k].sum() for g, k in zip(gains, counts, strict=True))
         widest = max(counts, default=0)
         rate = chosen_gain / seconds(np.array(sum(counts)), np.array(widest))
-        plain_rate = base / self.cost.round_seconds(b * widest_fixed, draft_rows - len(auto))
-        # The drafter pass costs about the same for one row as for all, so the stretch is batch-wide.
-        if rate < plain_rate:  # back off: 1, 2, 4, ... plain rounds, then probe again
-            self._auto_backoff = min(max(2 * self._auto_backoff, 1), AUTO_MAX_BACKOFF)
-            self.scheduler.auto_skip = self._auto_backoff
-        else:
+        plain_seconds = float(self.cost.round_seconds(b * widest_fixed, draft_rows - len(auto)))
+        plain_rate = base / plain_seconds
+        self.status.draft_ms = 1e3 * float(self.cost.draft.predict(len(auto)))
+        self.status.plain_round_ms = 1e3 * plain_seconds
+        # Drafting pays when the chosen trees beat a plain round that skips the drafter. One uncertain
+        # position (a new line, a name) says little about the next rounds: the decision follows a moving
+        # average of that ratio over drafting rounds, except that a probe decides on its own.
+        ratio = rate / plain_rate
+        probe = not self.status.drafting
+        self._ratio = ratio if probe or self._ratio is None else (1 - RECENT) * self._ratio + RECENT * ratio
+        widths = counts
+        if self._ratio >= 1.0:
             self._auto_backoff = 0
-        for i, k in zip(auto, counts, strict=True):
+            self._say(True, "drafting", AutoStatus.reason)
+        else:  # plain rounds for a stretch: 1, 2, 4, ... up to where the probes cost PROBE_SHARE or less
+            cheap = math.ceil(self.status.draft_ms / (PROBE_SHARE * self.status.plain_round_ms))
+            self._auto_backoff = min(max(2 * self._auto_backoff, 1), max(AUTO_MAX_BACKOFF, cheap))
+            self.scheduler.auto_skip = self._auto_backoff
+            widths = [0] * len(auto)
+            self._say(False, *self._why_plain(gains))
+        for i, k, w in zip(auto, counts, widths, strict=True):
             sizes[i] = k + 1
-            rows[i].auto_width = k
-        return trees.cut(sizes), logw
+            rows[i].auto_width = w
+        return trees.cut(sizes), seen
 
-    def _expected_accepts(self, r: Request, probs: np.ndarray) -> np.ndarray:
-        return self.calibration.calibrate("greedy" if r.params.greedy else "sampled", probs)
+    def _why_plain(self, gains: list[np.ndarray]) -> tuple[str, str]:
+        """The kind and the words of why auto rows run plain rounds now."""
+        s = self.status
+        rate = s.first_draft_acceptance
+        if s.first_drafts >= EVIDENCE and rate is not None and rate < RARELY_ACCEPTED:
+            return "rarely accepted", (
+                f"drafts are rarely accepted (the drafter's first token was the target's in "
+                f"{s.first_drafts_accepted} of {s.first_drafts} rounds): running plain decoding; check that "
+                "the drafter was trained for this target"
+            )
+        expected = float(np.mean([g[0] if g.size else 0.0 for g in gains])) if gains else 0.0
+        return "does not pay", (
+            f"drafting does not pay here (a drafter pass costs {s.draft_ms:.1f} ms, a plain round "
+            f"{s.plain_round_ms:.1f} ms, and a row's first draft is accepted with probability "
+            f"{expected:.2f}): running plain rounds, probing again after {self.scheduler.auto_skip}"
+        )
+
+    def _say(self, drafting: bool, kind: str, reason: str) -> None:
+        """Record the decision; the first time a kind of reason to run plain comes up, log it in words."""
+        self.status.drafting, self.status.reason = drafting, reason
+        if not drafting and kind not in self._said:
+            self._said.add(kind)
+            logger.warning("budget auto: %s", reason)
+
+    def _expected_accepts(self, r: Request, seen: AutoRound, i: int) -> np.ndarray:
+        """[m] P(accepted) of row i's candidate nodes, root first."""
+        m = int(seen.candidates[i])
+        return tree_acceptance(self.calibration, kind(r), seen.logw[i, :m], seen.parents[i, :m])
 
     def learn(
-        self, rows: list[Request], sizes: np.ndarray, logw: np.ndarray | None, verdicts: list[Verdict]
+        self, rows: list[Request], sizes: np.ndarray, seen: AutoRound | None, verdicts: list[Verdict]
     ) -> None:
-        """Record each row's drafted nodes and, in rounds whose draft log-probs came to the host for the
-        auto choice (``logw`` [B, N]), calibrate them against what the target accepted (ddtree rows)."""
+        """Record each row's drafted nodes and, in rounds whose candidates came to the host for the auto
+        choice, calibrate the drafter against what the target accepted: every verified node of a ddtree row
+        whose parent was accepted (the target saw it) or, where none was verified, the likeliest first draft,
+        which would have been accepted exactly when it is the token the target committed next. (Only that
+        one: whether any other unverified node would have been accepted depends on more than that token.)"""
         for r, m in zip(rows, sizes, strict=True):
             r.stats.drafted_nodes.append(int(m) - 1)
-        if logw is None:
+        if seen is None:
+            self._count_plain(rows, sizes)
             return
-        for i, (r, m, (nodes, _)) in enumerate(zip(rows, sizes, verdicts, strict=True)):
-            if r.method != "ddtree" or m == 1:
+        for i, (r, m, (nodes, tokens)) in enumerate(zip(rows, sizes, verdicts, strict=True)):
+            n = int(seen.candidates[i])
+            if r.method != "ddtree" or n == 1:
                 continue
-            accepted = np.zeros(m - 1, dtype=bool)
-            accepted[[j - 1 for j in nodes[1:]]] = True
-            kind = "greedy" if r.params.greedy else "sampled"
-            self.calibration.observe(kind, np.exp(logw[i, 1:m]), accepted)
+            accepted = np.zeros(m, dtype=bool)  # [m] root first
+            accepted[nodes] = True
+            if m == 1:  # nothing verified: the likeliest first draft (node 1) tells what it would have done
+                accepted, m = np.array([True, seen.tokens[i, 1] == tokens[0]]), 2
+            parents = seen.parents[i, :m]
+            tried = accepted[np.maximum(parents, 0)]  # nodes whose parent was accepted: the target saw them
+            tried[0] = False
+            steps = conditional_probs(seen.logw[i, :m], parents)
+            self.calibration.observe(kind(r), steps[tried], accepted[tried])
+            if i in seen.auto:
+                self._first.append(bool(seen.tokens[i, 1] == tokens[0]))  # node 1: the likeliest first draft
+        self.status.first_drafts = len(self._first)
+        self.status.first_drafts_accepted = sum(self._first)
+        self._count_plain(rows, sizes)
+
+    def _count_plain(self, rows: list[Request], sizes: np.ndarray) -> None:
+        """Count the auto rows' rounds with and without drafted nodes; each row's stats get a snapshot."""
+        self.status.stretch = self.scheduler.auto_skip
+        for r, m in zip(rows, sizes, strict=True):
+            if r.auto:
+                if m > 1:
+                    self.status.drafted_rounds += 1
+                else:
+                    self.status.plain_rounds += 1
+                r.stats.auto = replace(self.status)
 
     def observe(self, verified_tokens: int, verify_seconds: float, draft_rows: int, draft_seconds: float,
                 round_seconds: float) -> None:  # fmt: skip
-        """A timed round's costs, for the cost model's online fit."""
+        """A timed round's costs, for the cost model's online fit (not the round that seeded it: its timed
+        forwards would count as that round's overhead)."""
+        if self._seeding:
+            self._seeding = False
+            return
         self.cost.observe(verified_tokens, verify_seconds, draft_rows, draft_seconds, round_seconds)
 
     def _measure_costs(self) -> None:
         """Seed the cost model with a few timed forwards (they write only the scratch block)."""
-        self._costs_measured = True
+        self._costs_measured = self._seeding = True
         for tokens in (1, 8, 32, 8, 1, 32):
             self.cost.verify.observe(tokens, self.runner.timed_forward(tokens))

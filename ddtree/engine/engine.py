@@ -63,6 +63,8 @@ from ddtree.params import (
     parse_size,
 )
 
+PREFILL_GAP_ROUNDS = 4  # while requests decode, a prefill step takes about this many rounds' time at most
+
 
 def check_engine_options(
     method: str, budget: int, topk: int | None, has_drafter: bool
@@ -71,6 +73,11 @@ def check_engine_options(
     if method != "ar" and not has_drafter:
         raise DDTreeError(f"method {method!r} needs a drafter; pass one or use method 'ar'")
     return method, budget, topk
+
+
+def moving(average: float | None, value: float, weight: float = 0.2) -> float:
+    """An exponential moving average's next value (the first value starts it)."""
+    return value if average is None else (1 - weight) * average + weight * value
 
 
 class Engine:
@@ -82,7 +89,7 @@ class Engine:
         drafter: DFlashDrafter | None = None,
         tokenizer=None,
         method: str = "ddtree",
-        budget: int = 16,
+        budget: int | str = AUTO,
         topk: int | None = None,
         draft_dtype: torch.dtype | None = None,
         max_num_seqs: int | None = None,
@@ -183,6 +190,9 @@ class Engine:
         self.warmup_seconds = 0.0
         if compile:
             self.warm_up()
+        # Measured, to cut prefill chunks while requests decode (``_pace_prefill``).
+        self._token_seconds: float | None = None  # moving average of a prefill step's seconds per token
+        self._round_seconds: float | None = None  # moving average of a round's seconds
         self._followed: dict[str, deque[StreamDelta]] = {}  # request id -> deltas its stream has not read
         self._unclaimed: list[StreamDelta] = []  # deltas the next `step` returns
 
@@ -192,7 +202,7 @@ class Engine:
         target_dir: str | Path | None = None,
         drafter_dir: str | Path | None = None,
         method: str = "ddtree",
-        budget: int = 16,
+        budget: int | str = AUTO,
         topk: int | None = None,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "auto",
@@ -401,6 +411,7 @@ class Engine:
                     accept_thresholds=(self.accept_threshold_single, self.accept_threshold_acc),
                 ),
                 generator=torch.Generator(device=self.device).manual_seed(seed),
+                auto_width=self.auto.start_width,
             )
         )
         return request_id
@@ -570,6 +581,10 @@ class Engine:
             zip(first, self.verifier.first_tokens(logits[first], [batch[i] for i in first]), strict=True)
         )
         seconds = self._now() - t0
+        self._token_seconds = moving(
+            self._token_seconds, seconds / (len(chunks) * max(c.tokens for c in chunks))
+        )
+        self._pace_prefill()
         deltas = []
         for i in done:
             r = batch[i]
@@ -604,9 +619,9 @@ class Engine:
             draft_logits = self.proposer.draft(drafting) if drafting else None  # [D, depth, V]
         with clock.stage("tree"):
             trees = self.proposer.trees(rows, drafting, draft_logits)
-            logw = None
+            seen = None
             if any(r.auto for r in drafting):
-                trees, logw = self.auto.choose(rows, trees, len(drafting))
+                trees, seen = self.auto.choose(rows, trees, len(drafting))
         with clock.stage("inputs"):
             batch = self.verifier.inputs(rows, trees)
         with clock.stage("verify"):
@@ -619,9 +634,11 @@ class Engine:
             accepted = self.verifier.accept(rows, trees, hidden)  # the LM head closes the target forward
         with clock.stage("commit"):
             deltas, verdicts = self.verifier.commit(rows, accepted, hidden, features, batch.tables)
-            self.auto.learn(rows, trees.sizes, logw, verdicts)
+            self.auto.learn(rows, trees.sizes, seen, verdicts)
             self._release_finished(rows)
         elapsed = time.perf_counter() - t_round
+        self._round_seconds = moving(self._round_seconds, elapsed)
+        self._pace_prefill()
         seconds = clock.seconds()
         if clock.enabled:
             self.auto.observe(batch.ids.numel(), seconds["verify"], len(drafting), seconds["draft"], elapsed)
@@ -630,6 +647,16 @@ class Engine:
                 r.stats.stage_seconds[name] += value
             r.stats.decode_seconds += elapsed
         return deltas
+
+    def _pace_prefill(self) -> None:
+        """While requests decode, a prefill step's tokens are what ``PREFILL_GAP_ROUNDS`` rounds' time
+        prefills (both measured), so a long prompt arriving delays the running streams by a few rounds per
+        step however fast or slow the machine; at least one KV block a step. ``max_num_batched_tokens``
+        still caps it. (A step's fixed cost makes small chunks dearer per token: the chunk settles where
+        fixed + tokens x cost per token fills the rounds' time.)"""
+        if self._round_seconds is not None and self._token_seconds is not None:
+            tokens = int(PREFILL_GAP_ROUNDS * self._round_seconds / self._token_seconds)
+            self.scheduler.decode_chunk = max(self.blocks.block_size, tokens)
 
     def _release_finished(self, rows: list[Request]) -> None:
         for r in rows:

@@ -18,6 +18,30 @@ STAGES = ("draft", "tree", "inputs", "verify", "accept", "commit")
 
 
 @dataclass
+class AutoStatus:
+    """What budget "auto" does and why (``--stats``, the responses' ``ddtree`` object, ``/metrics``)."""
+
+    drafting: bool = True  # False while auto rows run plain rounds between probes
+    reason: str = "drafting: the chosen trees are expected to pay"
+    drafted_rounds: int = 0  # auto rows' rounds that verified at least one drafted node
+    plain_rounds: int = 0  # auto rows' rounds without a drafted node (stretches, and rounds that chose none)
+    first_drafts: int = 0  # recent rounds whose first draft was checked against the target
+    first_drafts_accepted: int = 0  # ... and would have been (or was) accepted
+    draft_ms: float = 0.0  # a drafter pass over the auto rows, predicted by the cost model
+    plain_round_ms: float = 0.0  # a round without the drafter, predicted
+    stretch: int = 0  # plain rounds left before the next probe
+
+    @property
+    def first_draft_acceptance(self) -> float | None:
+        return self.first_drafts_accepted / self.first_drafts if self.first_drafts else None
+
+    def as_dict(self) -> dict:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out["first_draft_acceptance"] = self.first_draft_acceptance
+        return out
+
+
+@dataclass
 class GenerationStats:
     """What a response cost. ``acceptance_lengths`` has one entry per round: accepted drafts + 1.
 
@@ -37,6 +61,7 @@ class GenerationStats:
     decode_tokens: int = 0
     preemptions: int = 0  # times the request lost its KV blocks and was recomputed
     accept_thresholds: tuple[float, float] = (1.0, 1.0)  # (single, acc); below 1.0 the output is lossy
+    auto: AutoStatus | None = None  # budget "auto": the engine's decision at this request's last round
 
     @property
     def rounds(self) -> int:
@@ -67,6 +92,8 @@ class GenerationStats:
             "decode_tokens_per_second": self.decode_tokens_per_second,
             "preemptions": self.preemptions,
         }
+        if self.auto is not None:
+            out["auto"] = self.auto.as_dict()
         return out | lossy_threshold_fields(*self.accept_thresholds)
 
 

@@ -4,7 +4,8 @@ tensors.
 A step is either a prefill step (chunks of waiting or half-prefilled prompts, at most
 ``max_num_batched_tokens`` padded tokens) or a round (every decoding request). With requests decoding, a
 prefill step never follows a prefill step: a running stream waits at most one prefill between two of its
-rounds, however long the prompt that arrives. Blocks are taken as requests grow: a chunk's before its
+rounds, however long the prompt that arrives, and that prefill is cut to ``decode_chunk`` tokens (what the
+engine measured a few rounds' time to prefill). Blocks are taken as requests grow: a chunk's before its
 prefill, a round's (the committed tokens, the tree's nodes and the drafter's block) before the round.
 When a running request cannot grow, the most recently admitted one is preempted (vLLM's recompute mode):
 its blocks are freed and it goes back to the front of the queue, to be prefilled again from its prompt and
@@ -45,6 +46,7 @@ class Scheduler:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.decode_chunk: int | None = None  # a prefill step's tokens while requests decode (engine-set)
         self.draft_block = draft_block  # columns a drafter pass writes after the context (0: no drafter)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; a round's batch keeps it
@@ -97,6 +99,9 @@ class Scheduler:
     def _chunks(self) -> list[Chunk]:
         chunks: list[Chunk] = []
         longest = 0
+        budget = self.max_num_batched_tokens
+        if self.decoding and self.decode_chunk is not None:
+            budget = min(budget, self.decode_chunk)
         candidates = [r for r in self.running if r.prefilling]
         for r in itertools.chain(candidates, list(self.waiting)):
             new = r not in candidates
@@ -106,10 +111,10 @@ class Scheduler:
                 r.prefill_ids = r.prompt_ids + r.output.token_ids[:-1]  # a preempted one: its output too
             remaining = len(r.prefill_ids) - r.computed
             if not chunks:
-                tokens = min(remaining, self.max_num_batched_tokens)
-            elif (len(chunks) + 1) * max(longest, remaining) <= self.max_num_batched_tokens:
+                tokens = min(remaining, budget)
+            elif (len(chunks) + 1) * max(longest, remaining) <= budget:
                 tokens = remaining
-            elif (len(chunks) + 1) * longest <= self.max_num_batched_tokens:
+            elif (len(chunks) + 1) * longest <= budget:
                 tokens = min(remaining, longest)
             else:
                 break

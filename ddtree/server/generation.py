@@ -208,7 +208,8 @@ class Generation:
         row.finished = True
         if row.stats is not None:
             lengths = row.stats.acceptance_lengths[: row.rounds]
-            self.metrics.record_generation(row.stats.method, lengths, row.tokens)
+            drafted = sum(row.stats.drafted_nodes[: row.rounds])
+            self.metrics.record_generation(row.stats.method, lengths, row.tokens, drafted)
 
 
 def _encode(engine, prompt: str | list[int], param: str, add_special_tokens: bool) -> list[int]:
@@ -261,4 +262,6 @@ def _stats(stats, rounds: int) -> SpeculativeStats:
         tau=mean_acceptance_length(lengths),
         rounds=len(lengths),
         acceptance_lengths=lengths,
+        drafted_nodes=list(stats.drafted_nodes[:rounds]),
+        auto=None if stats.auto is None else stats.auto.as_dict(),
     )

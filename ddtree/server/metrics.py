@@ -142,14 +142,37 @@ class Metrics:
             ["method"],
             registry=r,
         )
+        self.drafted = Counter(
+            "ddtree_spec_decode_drafted_tokens",
+            "Drafted tree nodes verified by the target (what budget auto chose, summed)",
+            ["method"],
+            registry=r,
+        )
+        self.auto_drafting = Gauge(
+            "ddtree_auto_drafting",
+            "budget auto: 1 while the chosen trees pay, 0 while auto rows run plain rounds between probes",
+            registry=r,
+        )
+        self.auto_seconds = Gauge(
+            "ddtree_auto_cost_seconds",
+            "budget auto's measured costs: a drafter pass over the auto rows, a round without the drafter",
+            ["part"],
+            registry=r,
+        )
+        self.auto_first_draft = Gauge(
+            "ddtree_auto_first_draft_acceptance",
+            "budget auto: share of recent rounds whose likeliest first draft was the target's token",
+            registry=r,
+        )
         self._totals: dict[str, list[int]] = {}  # method -> [rounds, emitted], for the tau gauge
 
     def record_generation(
-        self, method: str, acceptance_lengths: Iterable[int], completion_tokens: int
+        self, method: str, acceptance_lengths: Iterable[int], completion_tokens: int, drafted: int = 0
     ) -> None:
-        """One finished (or stopped) choice: its tokens and its rounds."""
+        """One finished (or stopped) choice: its tokens, its rounds and its drafted nodes."""
         lengths = list(acceptance_lengths)
         self.completion_tokens.inc(completion_tokens)
+        self.drafted.labels(method).inc(drafted)
         if not lengths:
             return
         self.rounds.labels(method).inc(len(lengths))
@@ -161,6 +184,14 @@ class Metrics:
         totals[0] += len(lengths)
         totals[1] += sum(lengths)
         self.tau.labels(method).set(totals[1] / totals[0])
+
+    def record_auto(self, status) -> None:
+        """The engine's budget-auto decision (``AutoStatus``), after each step."""
+        self.auto_drafting.set(int(status.drafting))
+        self.auto_seconds.labels("draft").set(status.draft_ms / 1e3)
+        self.auto_seconds.labels("plain_round").set(status.plain_round_ms / 1e3)
+        if status.first_draft_acceptance is not None:
+            self.auto_first_draft.set(status.first_draft_acceptance)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

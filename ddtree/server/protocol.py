@@ -161,6 +161,8 @@ class SpeculativeStats(BaseModel):
     tau: float
     rounds: int
     acceptance_lengths: list[int]
+    drafted_nodes: list[int] = Field(default_factory=list)  # drafted nodes verified per round
+    auto: dict | None = None  # budget "auto": drafting on or off, why, and the measured costs
     accept_threshold_single: float | None = None
     accept_threshold_acc: float | None = None
 
@@ -170,6 +172,8 @@ class SpeculativeStats(BaseModel):
         if self.accept_threshold_single is None:
             out.pop("accept_threshold_single", None)
             out.pop("accept_threshold_acc", None)
+        if self.auto is None:
+            out.pop("auto", None)
         return out
 
 

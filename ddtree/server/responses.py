@@ -55,6 +55,8 @@ def total_stats(stats: list[SpeculativeStats]) -> SpeculativeStats | None:
         tau=mean_acceptance_length(lengths),
         rounds=len(lengths),
         acceptance_lengths=lengths,
+        drafted_nodes=[n for s in stats for n in s.drafted_nodes],
+        auto=stats[-1].auto,
         accept_threshold_single=stats[0].accept_threshold_single,
         accept_threshold_acc=stats[0].accept_threshold_acc,
     )

@@ -354,6 +354,7 @@ class EngineWorker:
             self.metrics.kv_usage.set(used / max(used + free, 1))
             self.metrics.preemptions.inc(engine.num_preemptions - self._preemptions)
             self._preemptions = engine.num_preemptions
+            self.metrics.record_auto(engine.auto.status)
 
 
 def log_compile(engine) -> None:

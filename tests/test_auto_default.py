@@ -1,0 +1,113 @@
+"""Never slower than plain decoding: budget "auto" is the default, turns drafting off where it does not pay
+(saying why, once) and keeps it on where it does; whatever it picks, the output is plain decoding's."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from ddtree.bench.cli import DEFAULT_BUDGETS
+from ddtree.budget import AcceptanceCalibration, CostModel, LinearCost, tree_acceptance
+from ddtree.cli import build_parser
+from ddtree.engine import Engine
+from ddtree.engine.auto_budget import AUTO_MAX_BACKOFF, AutoRound
+from ddtree.params import AUTO, SamplingParams
+from tests.conftest import tiny_drafter, tiny_target
+
+BIG_VOCAB = 2048  # a random drafter's first token matches the target's about once in this many rounds
+
+
+def test_auto_is_the_default_budget_of_the_engine_and_every_command():
+    engine = Engine(*(lambda t: (t, tiny_drafter(t)))(tiny_target()))
+    assert engine.budget == AUTO
+    for command in (["generate", "x"], ["serve"]):
+        assert build_parser().parse_args(command).budget == AUTO
+    assert DEFAULT_BUDGETS.split(",")[0] == AUTO
+
+
+def test_a_drafter_that_is_never_accepted_settles_on_plain_rounds_says_why_once_and_equals_ar(caplog):
+    target = tiny_target(vocab=BIG_VOCAB)
+    engine = Engine(target, tiny_drafter(target))  # random weights: its drafts are not the target's
+    prompt, params = list(range(3, 11)), SamplingParams(max_new_tokens=240)
+    with caplog.at_level(logging.WARNING, logger="ddtree"):
+        result = engine.generate(prompt, params)
+    plain = engine.generate(prompt, params, method="ar")
+    assert result.token_ids == plain.token_ids
+    drafted = np.array(result.stats.drafted_nodes) > 0
+    # Stretches of plain rounds double (1, 2, 4, ...) while probes fail: a few dozen drafting rounds at
+    # most, none of them after the first quarter but the probes.
+    assert drafted.sum() <= 24 and drafted[len(drafted) // 4 :].sum() <= 4, result.stats.drafted_nodes
+    status = result.stats.auto
+    assert not status.drafting and status.first_draft_acceptance < 0.1
+    assert "drafts are rarely accepted" in status.reason and "trained for this target" in status.reason
+    said = [r.getMessage() for r in caplog.records if "rarely accepted" in r.getMessage()]
+    assert len(said) == 1, said  # once, not every round
+    # The next request starts in the stretch: it probes, it does not draft from its first round.
+    again = engine.generate(list(range(20, 28)), SamplingParams(max_new_tokens=60))
+    assert sum(n > 0 for n in again.stats.drafted_nodes) <= 2
+
+
+def test_stretches_grow_past_the_doubling_cap_while_a_probe_costs_more_than_two_percent():
+    target = tiny_target(vocab=BIG_VOCAB)
+    probe_costs_50_rounds = CostModel(
+        verify=LinearCost(fixed=1e-3), draft=LinearCost(fixed=5e-2), overhead=LinearCost(), frozen=True
+    )
+    engine = Engine(target, tiny_drafter(target), cost_model=probe_costs_50_rounds)
+    engine.auto._auto_backoff = AUTO_MAX_BACKOFF  # as after a long run of failed probes
+    engine.auto.status.drafting = False
+    engine.generate(list(range(3, 11)), SamplingParams(max_new_tokens=4))  # its first round probes
+    assert engine.auto._auto_backoff == 2 * AUTO_MAX_BACKOFF
+    assert engine.scheduler.auto_skip >= 2 * AUTO_MAX_BACKOFF - 3
+
+
+def test_the_builtin_pair_keeps_drafting_and_equals_ar():
+    engine = Engine.from_pretrained()
+    params = SamplingParams(max_new_tokens=96)
+    prompt = "def fibonacci(n):\n    "
+    result = engine.generate(prompt, params)
+    assert result.token_ids == engine.generate(prompt, params, method="ar").token_ids
+    drafted = np.array(result.stats.drafted_nodes) > 0
+    assert drafted.mean() >= 0.75 and result.stats.tau > 2.0, result.stats.drafted_nodes
+    assert result.stats.auto.first_draft_acceptance > 0.5
+
+
+def test_tree_acceptance_multiplies_the_calibrated_steps_along_each_path():
+    cal = AcceptanceCalibration()
+    #          root  a     b     a1    a1x   b1
+    parents = np.array([-1, 0, 0, 1, 3, 2])
+    steps = np.array([1.0, 0.6, 0.3, 0.5, 0.9, 0.8])  # each node's draft probability given its parent
+    logw = np.log(steps)
+    for j in range(1, len(steps)):
+        logw[j] = logw[parents[j]] + np.log(steps[j])
+    got = tree_acceptance(cal, "greedy", logw, parents)
+    c = cal.calibrate("greedy", steps)  # the prior: each bin's midpoint
+    want = [1.0, c[1], c[2], c[1] * c[3], c[1] * c[3] * c[4], c[2] * c[5]]
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+@pytest.mark.parametrize(("committed", "hit"), [(7, 1.0), (8, 0.0)])
+def test_a_first_draft_that_was_not_verified_still_teaches_the_calibration(committed, hit):
+    """Nothing verified (0 nodes chosen): the likeliest first draft (token 7, drafted with probability 0.42)
+    would have been accepted exactly when the target committed 7; its unverified sibling teaches nothing."""
+    target = tiny_target(vocab=BIG_VOCAB)
+    engine = Engine(target, tiny_drafter(target))
+    engine.add_request([3, 4, 5], SamplingParams(max_new_tokens=8))
+    engine.step()  # the prefill
+    row = engine.running[0]
+    cal = engine.calibration
+    seen = AutoRound(
+        logw=np.log([[1.0, 0.42, 0.2]]),
+        tokens=np.array([[5, 7, 9]]),
+        parents=np.array([[-1, 0, 0]]),
+        candidates=np.array([3]),
+        auto=[0],
+    )
+    engine.auto.learn([row], np.array([1]), seen, [([0], [committed])])
+    hits, count = cal._counts["greedy"]
+    prior_hits, prior_count = cal._prior
+    at = cal._bins(np.array([0.42]))[0]
+    assert count[at] - prior_count[at] == 1 and hits[at] - prior_hits[at] == hit
+    assert (count - prior_count).sum() == 1  # the sibling (0.2) is not observed
+    assert engine.auto.status.first_drafts == 1 and engine.auto.status.first_drafts_accepted == hit

@@ -201,10 +201,10 @@ def test_stage_timing_is_opt_in(eager: Engine, monkeypatch):
     monkeypatch.setattr(StageClock, "_point", lambda self: points.append(1) or point(self))
     monkeypatch.setattr(eager, "_now", lambda: synced.append(True) or now())
     try:
-        quiet = eager.generate(PROMPTS[0], SamplingParams(max_new_tokens=20))
+        quiet = eager.generate(PROMPTS[0], SamplingParams(max_new_tokens=20), budget=16)  # auto is timed
         quiet_points, quiet_synced = len(points), list(synced)
         eager.profile = True
-        timed = eager.generate(PROMPTS[0], SamplingParams(max_new_tokens=20))
+        timed = eager.generate(PROMPTS[0], SamplingParams(max_new_tokens=20), budget=16)
     finally:
         eager.profile = False
     assert set(quiet.stats.stage_seconds.values()) == {0.0} and quiet.stats.decode_seconds > 0

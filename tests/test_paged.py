@@ -30,7 +30,8 @@ def models():
 
 
 def engine(models, **options) -> Engine:
-    return Engine(*models, **({"max_model_len": 256} | options))
+    # A fixed tree (seeded samples repeat only with one) and scheduling that does not depend on timing.
+    return Engine(*models, **({"max_model_len": 256, "budget": 16, "prefill_gap_rounds": None} | options))
 
 
 def run(engine: Engine, specs: list[tuple[list[int], SamplingParams, str]]) -> list[list[int]]:
@@ -217,3 +218,27 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_rounds_of_running_stre
     while e.has_unfinished_requests():
         got += [t for d in e.step() if d.request_id == long_id for t in d.token_ids]
     assert got == reference
+
+
+def test_while_streams_decode_a_prefill_step_takes_what_a_few_rounds_time_prefills(models):
+    """The engine's measured averages set the chunk (4 rounds of 10 ms at 0.5 ms a token: 80 tokens); the
+    scheduler cuts a long prompt to it only while requests decode, and to the token budget otherwise."""
+    e = engine(models, prefill_gap_rounds=4, max_model_len=512, max_num_batched_tokens=256)
+    e._round_seconds, e._token_seconds = 0.010, 0.0005
+    e._pace_prefill()
+    assert e.scheduler.decode_chunk == 80
+    alone = e.add_request(tokens(300), SamplingParams(max_new_tokens=4))
+    assert [c.tokens for c in e.scheduler.schedule_prefill()] == [256]  # nothing decodes: the whole budget
+    e.abort(alone)
+    e.step()
+    e.add_request(tokens(20), SamplingParams(max_new_tokens=50))
+    e.step()  # its prefill; it decodes from now on
+    e.step()  # a round: the next step may prefill
+    e.add_request(tokens(300, salt=1), SamplingParams(max_new_tokens=4))
+    e._round_seconds, e._token_seconds = 0.010, 0.0005  # the steps above measured this machine
+    e._pace_prefill()
+    assert [c.tokens for c in e.scheduler.schedule_prefill()] == [80]
+    e.scheduler.decode_chunk = 4  # never below one KV block a step: _pace_prefill's floor
+    e._token_seconds = 1.0
+    e._pace_prefill()
+    assert e.scheduler.decode_chunk == e.blocks.block_size

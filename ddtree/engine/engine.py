@@ -63,7 +63,7 @@ from ddtree.params import (
     parse_size,
 )
 
-PREFILL_GAP_ROUNDS = 4  # while requests decode, a prefill step takes about this many rounds' time at most
+PREFILL_GAP_ROUNDS = 4.0  # while requests decode, a prefill step takes about this many rounds' time at most
 
 
 def check_engine_options(
@@ -99,6 +99,7 @@ class Engine:
         gpu_memory_utilization: float = 0.9,
         block_size: int = 16,
         max_batch_size: int | None = None,
+        prefill_gap_rounds: float | None = PREFILL_GAP_ROUNDS,
         accept_threshold_single: float = 1.0,
         accept_threshold_acc: float = 1.0,
         auto_max_budget: int = 64,
@@ -115,7 +116,9 @@ class Engine:
         channel: StepChannel | None = None,
     ) -> None:
         """``channel``: rank 0's step channel when ``target`` is its tensor-parallel shard (built by
-        ``from_pretrained(tensor_parallel_size=N)``, which starts the other ranks)."""
+        ``from_pretrained(tensor_parallel_size=N)``, which starts the other ranks). ``prefill_gap_rounds``:
+        while requests decode, a prefill step prefills what this many rounds' measured time does (None:
+        ``max_num_batched_tokens`` alone, scheduling that does not depend on timing)."""
         if tensor_parallel_size != 1 and channel is None:
             raise DDTreeError(
                 "tensor_parallel_size needs Engine.from_pretrained(TARGET_DIR, DRAFTER_DIR, "
@@ -143,6 +146,13 @@ class Engine:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DDTreeError(f"{name} must be an integer >= 1, got {value!r}")
+        if prefill_gap_rounds is not None and (
+            isinstance(prefill_gap_rounds, bool)
+            or not isinstance(prefill_gap_rounds, (int, float))
+            or not prefill_gap_rounds > 0
+        ):
+            raise DDTreeError(f"prefill_gap_rounds must be a number > 0 or None, got {prefill_gap_rounds!r}")
+        self.prefill_gap_rounds = prefill_gap_rounds
         if max_model_len is not None and (
             isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not 2 <= max_model_len
         ):
@@ -649,13 +659,14 @@ class Engine:
         return deltas
 
     def _pace_prefill(self) -> None:
-        """While requests decode, a prefill step's tokens are what ``PREFILL_GAP_ROUNDS`` rounds' time
+        """While requests decode, a prefill step's tokens are what ``prefill_gap_rounds`` rounds' time
         prefills (both measured), so a long prompt arriving delays the running streams by a few rounds per
         step however fast or slow the machine; at least one KV block a step. ``max_num_batched_tokens``
         still caps it. (A step's fixed cost makes small chunks dearer per token: the chunk settles where
         fixed + tokens x cost per token fills the rounds' time.)"""
-        if self._round_seconds is not None and self._token_seconds is not None:
-            tokens = int(PREFILL_GAP_ROUNDS * self._round_seconds / self._token_seconds)
+        known = self._round_seconds is not None and self._token_seconds is not None
+        if self.prefill_gap_rounds is not None and known:
+            tokens = int(self.prefill_gap_rounds * self._round_seconds / self._token_seconds)
             self.scheduler.decode_chunk = max(self.blocks.block_size, tokens)
 
     def _release_finished(self, rows: list[Request]) -> None:

@@ -133,18 +133,22 @@ def specs(n: int, new: int) -> list[tuple[list[int], SamplingParams, str]]:
     return out
 
 
+# Seeded samples repeat only with a fixed tree, and scheduling that does not follow the machine's timing.
+FIXED = dict(budget=8, prefill_gap_rounds=None)
+
+
 def test_mla_batch_preemption_and_chunked_prefill_change_no_output(mla):
     """Six greedy and seeded sampled requests on an MLA target: alone, all at once in a pool of about two
     requests' worth (rows preempted and recomputed), and prefilled in 5-token chunks: the same tokens."""
     requests = specs(6, new=60)
-    probe = Engine(*mla, max_model_len=CONTEXT)
+    probe = Engine(*mla, max_model_len=CONTEXT, **FIXED)
     solo = [run(probe, [spec])[0] for spec in requests]
     per_request = -(-(20 + 60 + probe.drafter.block_size) // 16)
     budget = 2 * per_request * probe.runner.block_bytes
-    tight = Engine(*mla, max_model_len=96, max_num_seqs=6, kv_cache_memory=budget)
+    tight = Engine(*mla, max_model_len=96, max_num_seqs=6, kv_cache_memory=budget, **FIXED)
     assert run(tight, requests) == solo
     assert tight.num_preemptions > 0
-    chunked = Engine(*mla, max_model_len=CONTEXT, max_num_seqs=6, max_num_batched_tokens=5)
+    chunked = Engine(*mla, max_model_len=CONTEXT, max_num_seqs=6, max_num_batched_tokens=5, **FIXED)
     assert run(chunked, requests) == solo
 
 
@@ -156,12 +160,12 @@ def test_compiled_mla_rounds_match_eager(attention):
     target = tiny_moe_target("deepseek_v3", layers=2)
     models = (target, moe_drafter(target))
     requests = specs(3, new=16)
-    eager = run(Engine(*models, max_model_len=64, max_num_seqs=2), requests)
+    eager = run(Engine(*models, max_model_len=64, max_num_seqs=2, **FIXED), requests)
     compiled = Engine(
         *models,
         max_model_len=64,
         max_num_seqs=2,
-        budget=8,
+        **FIXED,
         compile=True,
         batch_buckets=[2],
         node_buckets=[9],
@@ -342,6 +346,21 @@ def test_a_tokenizer_that_ships_as_code_runs_only_with_trust_remote_code(mla, tm
     assert "--trust-remote-code" in message
     engine = Engine.from_pretrained(tmp_path, method="ar", max_model_len=64, trust_remote_code=True)
     assert type(engine.tokenizer).__name__ == "CodeTokenizer"
+
+
+def test_the_cli_runs_a_code_tokenizer_only_with_trust_remote_code(tmp_path, capsys):
+    target = tiny_moe_target("deepseek_v3", vocab=VOCAB)
+    target.save_pretrained(tmp_path)
+    code_tokenizer_dir(tmp_path)
+    flags = ["generate", TEXT, "--target", str(tmp_path), "--method", "ar", "--max-new-tokens", "3"]
+    flags += ["--max-model-len", "64", "--threads", "1"]
+    capsys.readouterr()  # saving's progress bars
+    with pytest.raises(SystemExit) as exit_info:
+        main(flags)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "--trust-remote-code" in err[0]
+    main([*flags, "--trust-remote-code"])
+    assert capsys.readouterr().out.startswith(TEXT)
 
 
 def test_tensor_parallelism_refuses_mla_in_one_line():

@@ -400,7 +400,7 @@ def test_seeded_samples_on_an_mla_target_are_the_same_alone_or_batched(mla_model
     ]
     methods = ["ddtree", "dflash", "ar", "ddtree"] * 2
     prompts = [PROMPT[: 1 + i % len(PROMPT)] for i in range(8)]
-    engine = Engine(*mla_models, budget=BUDGET, max_num_seqs=8)
+    engine = Engine(*mla_models, budget=BUDGET, max_num_seqs=8, prefill_gap_rounds=None)
     solo = [
         engine.generate(p, sp, method=m).token_ids for p, sp, m in zip(prompts, params, methods, strict=True)
     ]

@@ -179,6 +179,12 @@ def add_memory_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
 
 
+def add_trust_remote_code(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let a tokenizer that ships as code in the target's directory (Kimi's) run it; "
+                   "the model always runs transformers' own classes")  # fmt: skip
+
+
 def memory_options(args: argparse.Namespace) -> dict:
     """``add_memory_options``' flags as ``Engine`` arguments (``--dtype`` goes to the loader)."""
     return {

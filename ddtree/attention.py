@@ -40,6 +40,36 @@ def attend(
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
+def fold_heads(mask: torch.Tensor | BlockMask | None, heads: int) -> torch.Tensor | BlockMask | None:
+    """A dense mask [B, 1, T, S] for ``attend_latent``'s folded queries, [B, 1, heads * T, S] (query row
+    ``h * T + t`` is head h's query t); built once per forward, shared by every layer. Flex's block mask
+    and None pass through."""
+    if not isinstance(mask, torch.Tensor):
+        return mask
+    b, _, t, s = mask.shape
+    return mask.expand(b, heads, t, s).reshape(b, 1, heads * t, s)
+
+
+def attend_latent(
+    q: torch.Tensor,  # [B, heads, T, rank + rope]: nope queries through W_UK, then the rotated rope part
+    latent: torch.Tensor,  # [B, S, rank + rope]: gathered rows (sdpa) or the whole pool (flex)
+    rank: int,  # kv_lora_rank: the latent's first ``rank`` values are what the heads' values expand from
+    mask: torch.Tensor | BlockMask,  # fold_heads(...) of the forward's mask, or flex's block mask
+    scale: float,
+) -> torch.Tensor:
+    """MLA attention in the absorbed form (vLLM's and SGLang's MLA decode): every head scores against the
+    one shared latent, and its output stays in the latent space, [B, heads, T, rank] (the caller applies
+    W_UV). The heads fold into the query rows of one single-KV-head attention, so the latent is never
+    copied per head and no per-head key or value is ever built."""
+    b, heads, t, d = q.shape
+    keys, values = latent[:, None], latent[:, None, :, :rank]  # [B, 1, S, rank + rope], [B, 1, S, rank]
+    if isinstance(mask, BlockMask):
+        return flex_attention(q, keys, values, block_mask=mask, scale=scale, enable_gqa=True)
+    folded = q.reshape(b, 1, heads * t, d)  # [B, 1, heads * T, rank + rope]
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
+    return out.view(b, heads, t, rank)
+
+
 class PagedBlockMask:
     """The FlexAttention mask of one fixed shape (``rows`` x ``queries``) over ``cache``'s pool.
 

@@ -18,6 +18,7 @@ from ddtree.argparsing import (
     add_draft_topk,
     add_memory_options,
     add_threads_option,
+    add_trust_remote_code,
     apply_threads,
     check_compile_options,
     check_threads,
@@ -84,6 +85,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="shard the target over N ranks (Megatron-style; gloo on CPUs, NCCL on GPUs 0..N-1); "
                    "ddtree starts them, or run under torchrun with N processes")  # fmt: skip
     add_memory_options(p)
+    add_trust_remote_code(p)
     add_threads_option(p)
     add_compile_options(p)
 
@@ -185,6 +187,7 @@ def engine_from_args(args: argparse.Namespace):
         device=device,
         dtype=args.dtype,
         tensor_parallel_size=args.tensor_parallel_size,
+        trust_remote_code=args.trust_remote_code,
         accept_threshold_single=args.accept_threshold_single,
         accept_threshold_acc=args.accept_threshold_acc,
         max_num_seqs=max_batch_size(args),
@@ -257,6 +260,7 @@ def _stream(engine, prompt: str, params, args: argparse.Namespace) -> None:
         if engine.compiled:
             stats["compile_warmup_seconds"] = engine.warmup_seconds
         stats["torch_threads"] = torch.get_num_threads()  # what torch runs with, --threads or not
+        stats |= engine.kv_cache_summary()
         print(json.dumps(stats, indent=2), file=sys.stderr)
 
 

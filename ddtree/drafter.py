@@ -50,20 +50,26 @@ def dflash_config(
     num_target_layers = target_config.num_hidden_layers
     if target_layer_ids is None:
         target_layer_ids = default_target_layer_ids(num_target_layers, num_layers)
+    heads, kv_heads = target_config.num_attention_heads, target_config.num_key_value_heads
+    head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // heads
+    if hasattr(target_config, "kv_lora_rank"):
+        # An MLA target has no GQA heads to copy (its head_dim is the rope part): GQA heads of its value
+        # width, 8 KV heads where they divide the heads (the public Kimi K2.6 DFlash drafter's layout).
+        head_dim, kv_heads = target_config.v_head_dim, 8 if heads % 8 == 0 else heads
+    # The drafter rotates whole heads: a target's partial rotary (GLM-4) is not the drafter's.
+    rope = dict(target_config.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
+    rope.pop("partial_rotary_factor", None)
     fields = dict(
         vocab_size=target_config.vocab_size,
         hidden_size=target_config.hidden_size,
         intermediate_size=target_config.intermediate_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=target_config.num_attention_heads,
-        num_key_value_heads=target_config.num_key_value_heads,
-        head_dim=getattr(target_config, "head_dim", None)
-        or target_config.hidden_size // target_config.num_attention_heads,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         rms_norm_eps=target_config.rms_norm_eps,
         max_position_embeddings=target_config.max_position_embeddings,
-        rope_parameters=dict(
-            target_config.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}
-        ),
+        rope_parameters=rope,
     )
     fields.update(overrides)
     return Qwen3Config(

@@ -1,7 +1,10 @@
 """Paged key/value caches: one pool of fixed-size blocks per layer, a block table per request (vLLM's
 PagedAttention layout, nano-vllm's ``BlockManager`` accounting in ``ddtree.engine.block_manager``).
 
-A pool holds keys (and one values) as ``[num_blocks, block_size, kv_heads, D]``. A request's token at column
+What a pool stores per token and layer is its ``KVLayout``: for GQA keys and values, ``[num_blocks,
+block_size, kv_heads, D]`` each; for MLA (DeepSeek-V2/V3, Kimi K2) the compressed latent alone, ``[num_blocks,
+block_size, kv_lora_rank + qk_rope_head_dim]`` (the normed ``c_KV`` and the rotated shared rope key; keys and
+values are both read from it, so there is no separate V). A request's token at column
 ``c`` lives in block ``table[c // block_size]`` at offset ``c % block_size``; its table has ``width`` entries
 (enough for the longest request) plus one, and entries it does not own are block 0, the **scratch block**,
 which the allocator never hands out. Padding tokens write to the **scratch column** ``width * block_size``
@@ -15,6 +18,7 @@ the same block tables: one allocation covers a request in both models.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,8 +35,35 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """What one layer caches per token: ``token_shape`` in the keys pool and, when ``has_values``, the same
+    again in a values pool. GQA: ``(kv_heads, head_dim)`` twice; MLA: ``(kv_lora_rank + qk_rope_head_dim,)``
+    once (the latent is both the keys and, its first kv_lora_rank values, the values)."""
+
+    token_shape: tuple[int, ...]
+    has_values: bool = True
+
+    @classmethod
+    def gqa(cls, kv_heads: int, head_dim: int) -> KVLayout:
+        return cls((kv_heads, head_dim), True)
+
+    @classmethod
+    def mla(cls, latent_dim: int) -> KVLayout:
+        return cls((latent_dim,), False)
+
+    @property
+    def is_latent(self) -> bool:
+        return not self.has_values
+
+    def elements_per_token(self) -> int:
+        """Values one layer stores per token (GQA: 2 x kv_heads x head_dim; MLA: the latent's width)."""
+        return math.prod(self.token_shape) * (2 if self.has_values else 1)
+
+
 class PagedKVCache:
-    """Keys and values of ``num_layers`` layers in ``num_blocks`` blocks of ``block_size`` tokens."""
+    """Keys and values (or MLA latents) of ``num_layers`` layers in ``num_blocks`` blocks of ``block_size``
+    tokens."""
 
     def __init__(
         self,
@@ -40,17 +71,23 @@ class PagedKVCache:
         num_blocks: int,
         block_size: int,
         width: int,
-        kv_heads: int,
-        head_dim: int,
+        layout: KVLayout,
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.width = width  # block-table entries a request may own; the table has one more (scratch)
-        shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.keys = [zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.values = [zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.layout = layout
+        self.num_layers = num_layers
+        self.dtype = dtype
+        shape = (num_blocks, block_size, *layout.token_shape)
+        self.keys = [zeros(shape, dtype, device) for _ in range(num_layers)]  # MLA: the latents
+        self.values = [zeros(shape, dtype, device) for _ in range(num_layers)] if layout.has_values else []
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token costs in this pool, all layers (MLA: layers x latent width x element size)."""
+        return self.num_layers * self.layout.elements_per_token() * self.dtype.itemsize
 
     @property
     def scratch(self) -> int:
@@ -83,8 +120,8 @@ class PagedKVCache:
         """
         src_slots, dst_slots = self.slots(tables, src), self.slots(tables, dst)  # [K, M] each
         for buf in (*self.keys, *self.values):
-            flat = buf.view(-1, *buf.shape[2:])  # [num_blocks * block_size, kv_heads, D]
-            flat[dst_slots] = flat[src_slots]  # [K, M, kv_heads, D] gathered, then scattered
+            flat = buf.view(-1, *buf.shape[2:])  # [num_blocks * block_size, *token_shape]
+            flat[dst_slots] = flat[src_slots]  # [K, M, *token_shape] gathered, then scattered
 
 
 @dataclass
@@ -106,21 +143,29 @@ class CacheWrite:
             self.read = self.tables[:, : self.span // self.cache.block_size].flatten()
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k/v [B, kv_heads, T, D]; return the rows' first ``span`` columns of keys/values
+        """Store GQA k/v [B, kv_heads, T, D]; return the rows' first ``span`` columns of keys/values
         [B, kv_heads, span, D], gathered from their blocks, or (span None) the whole pool as every row's
-        [B, kv_heads, num_blocks * block_size, D] (a view: nothing is copied).
+        [B, kv_heads, num_blocks * block_size, D] (a view: nothing is copied)."""
+        keys = self._store(self.cache.keys[layer], k.transpose(1, 2))  # [B, span, kv_heads, D]
+        values = self._store(self.cache.values[layer], v.transpose(1, 2))
+        return keys.transpose(1, 2), values.transpose(1, 2)
+
+    def write_latent(self, layer: int, latent: torch.Tensor) -> torch.Tensor:
+        """Store MLA latents [B, T, kv_lora_rank + rope]; return the rows' first ``span`` columns of them
+        [B, span, kv_lora_rank + rope] (span None: the whole pool, a view, as ``write``)."""
+        return self._store(self.cache.keys[layer], latent)
+
+    def _store(self, buf: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Write ``new`` [B, T, *token_shape] at this forward's slots and read the rows back, [B, span,
+        *token_shape].
 
         One indexed write into the whole pool per tensor: compiled, it stays in place (a write through a
         view makes torch.compile copy what the view spans back, each layer).
         """
-        out = []
         b = self.tables.shape[0]
-        for buf, new in ((self.cache.keys[layer], k), (self.cache.values[layer], v)):
-            flat = buf.view(-1, *buf.shape[2:])  # [num_blocks * block_size, kv_heads, D]
-            flat[self.slots] = new.transpose(1, 2).to(buf.dtype)  # [B, T, kv_heads, D]
-            if self.span is None:
-                out.append(flat[None].transpose(1, 2).expand(b, -1, -1, -1))
-                continue
-            rows = buf.index_select(0, self.read)  # [B * span / block_size, block_size, kv_heads, D]
-            out.append(rows.view(b, self.span, *buf.shape[2:]).transpose(1, 2))
-        return out[0], out[1]
+        flat = buf.view(-1, *buf.shape[2:])  # [num_blocks * block_size, *token_shape]
+        flat[self.slots] = new.to(buf.dtype)
+        if self.span is None:
+            return flat[None].expand(b, *flat.shape)
+        rows = buf.index_select(0, self.read)  # [B * span / block_size, block_size, *token_shape]
+        return rows.view(b, self.span, *buf.shape[2:])

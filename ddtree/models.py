@@ -3,17 +3,38 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from ddtree.drafter import DFlashDrafter
 from ddtree.errors import DDTreeError
 from ddtree.params import DTYPE_CHOICES  # resolve_dtype takes vLLM's aliases too
 
-# Model types whose HF modules the engine's forward (ddtree.forward.TargetForward) runs exactly.
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama", "mistral")
+log = logging.getLogger(__name__)
+
+# Model types whose HF modules the engine's forward (ddtree.forward.TargetForward) runs exactly: GQA ones,
+# GLM-4 MoE (partial rotary, q/k norms, qkv bias), and the MLA family (DeepSeek-V2/V3; Kimi K2's configs say
+# kimi_k2, DeepSeek-V3's architecture; Kimi K2.5 / K2.6 are kimi_k25, a DeepSeek-V3 text backbone in a
+# multimodal wrapper of which ddtree loads the text part).
+SUPPORTED_MODEL_TYPES = (
+    "qwen3",
+    "qwen3_moe",
+    "qwen2",
+    "llama",
+    "mistral",
+    "glm4_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "kimi_k2",
+    "kimi_k25",
+)
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}  # a config's model_type -> the transformers class it is
+TESTED_TRANSFORMERS = "5.24"  # the release ddtree's loaders are tested with (the MLA and GLM-4 MoE classes)
 _DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
@@ -178,10 +199,14 @@ def load_target(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = torch.float32,
     max_model_len: int | None = None,
+    trust_remote_code: bool = False,
+    tokenizer: bool = True,
 ):
     """A causal LM of a type in SUPPORTED_MODEL_TYPES and its tokenizer (None when the directory has
-    none). ``dtype`` goes through resolve_dtype ("auto" included); ``max_model_len`` is the longest
-    sequence the engine will run, which decides whether a sliding window is exact."""
+    none, or ``tokenizer`` is False). ``dtype`` goes through resolve_dtype ("auto" included);
+    ``max_model_len`` is the longest sequence the engine will run, which decides whether a sliding window
+    is exact. The model is always transformers' own class (never a checkpoint's code: the engine's forward
+    runs its modules); ``trust_remote_code`` lets the tokenizer run the checkpoint's code."""
     directory = Path(directory)
     config = _read_config(directory, "target")
     model_type = config.get("model_type")
@@ -189,15 +214,68 @@ def load_target(
         raise DDTreeError(
             f"target {directory} has model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    check_target_attention(config, directory, max_model_len)
-    dtype = resolve_dtype(dtype, config, device)
+    hf_type = MODEL_TYPE_ALIASES.get(model_type, model_type)
+    if hf_type not in CONFIG_MAPPING_NAMES:
+        raise DDTreeError(
+            f"target {directory} has model_type {model_type!r}, which transformers "
+            f"{transformers.__version__} does not implement; install transformers>={TESTED_TRANSFORMERS} "
+            "(pip install -U transformers)"
+        )
+    text_config = (config.get("text_config") or {}) if hf_type == "kimi_k25" else config
+    check_target_attention(text_config, directory, max_model_len)
+    stored = {k: config[k] for k in ("dtype", "torch_dtype") if config.get(k)}  # a wrapper's, else the text's
+    dtype = resolve_dtype(dtype, text_config | stored, device)
     try:
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device)
-    except (OSError, ValueError) as exc:
+        if hf_type == "kimi_k25":
+            model = text_backbone(AutoModelForImageTextToText.from_pretrained(directory, dtype=dtype))
+        elif hf_type != model_type:
+            fields = {k: v for k, v in config.items() if k != "model_type"}
+            hf_config = AutoConfig.for_model(hf_type, **fields)
+            model = AutoModelForCausalLM.from_pretrained(directory, config=hf_config, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    except (OSError, ValueError, TypeError) as exc:
         raise DDTreeError(f"cannot load target from {directory}: {str(exc).splitlines()[0]}") from None
-    has_tokenizer = any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
-    tokenizer = AutoTokenizer.from_pretrained(directory) if has_tokenizer else None
-    return model.eval(), tokenizer
+    model = model.to(device)
+    return model.eval(), load_tokenizer(directory, trust_remote_code) if tokenizer else None
+
+
+def load_tokenizer(directory: Path, trust_remote_code: bool = False):
+    """The directory's tokenizer (None without one). One that ships as code (Kimi's tiktoken tokenizer)
+    runs only with ``trust_remote_code``; without it, a one-line error saying to pass it."""
+    if not any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if trust_remote_code or "trust_remote_code" not in str(exc):
+            reason = str(exc).splitlines()[0]
+            raise DDTreeError(f"cannot load the tokenizer in {directory}: {reason}") from None
+        raise DDTreeError(
+            f"the tokenizer in {directory} ships as code in the checkpoint: pass --trust-remote-code "
+            "(Engine.from_pretrained(trust_remote_code=True)) to run it, if you trust its source"
+        ) from None
+
+
+def text_backbone(model):
+    """Kimi K2.5 / K2.6 (``Kimi_K25ForConditionalGeneration``) as the DeepSeek-V3 causal LM it wraps: its
+    language model and LM head (the same modules, nothing copied); the vision tower and projector are
+    dropped with the wrapper. ``media_token_ids`` holds the image/video placeholder ids a prompt must not
+    carry: without the vision tower they would embed as token 0 (HF's wrapper does that) and decode
+    something other than what the model would for the image."""
+    config = model.config
+    with torch.device("meta"):  # the modules come from ``model``; the meta ones are never allocated
+        causal = AutoModelForCausalLM.from_config(config.text_config)
+    causal.model = model.model.language_model
+    causal.lm_head = model.lm_head
+    causal.generation_config = model.generation_config
+    causal.media_token_ids = frozenset((config.image_token_id, config.video_token_id))
+    return causal
+
+
+def media_token_ids(target) -> frozenset[int]:
+    """Placeholder ids of images and videos a text-only target refuses in a prompt (``text_backbone``)."""
+    return getattr(target, "media_token_ids", frozenset())
 
 
 def load_drafter(directory: str | Path, max_model_len: int | None = None) -> DFlashDrafter:
@@ -212,16 +290,23 @@ def load_drafter(directory: str | Path, max_model_len: int | None = None) -> DFl
     return DFlashDrafter.from_pretrained(directory)
 
 
-def check_pair(target, drafter: DFlashDrafter) -> None:
-    """Refuse a drafter built for another target: it would run, draft garbage and hide the mistake."""
+# A mask embedding row whose norm is below this share of a typical row's is "near zero": an untrained
+# reserved token, whose MASK positions then carry no signal (SGLang #27924: accept length 1.42 against 6.3).
+MASK_ROW_FLOOR = 0.01
+
+
+def check_pair(target, drafter: DFlashDrafter, tokenizer=None) -> None:
+    """Refuse a drafter built for another target: it would run, draft garbage and hide the mistake. Warn
+    (a log line naming the cause) about what runs losslessly but kills acceptance: a drafter vocabulary
+    other than the target's, a MASK token whose embedding row is near zero, or one that is the pad or
+    EOS id."""
     tc, dc = target.config, drafter.config
-    vocab = target.get_input_embeddings().num_embeddings
+    embedding = target.get_input_embeddings()
+    vocab = embedding.num_embeddings
     if dc.hidden_size != tc.hidden_size:
         raise DDTreeError(
             f"drafter hidden size {dc.hidden_size} does not match the target's {tc.hidden_size}"
         )
-    if dc.vocab_size != vocab:
-        raise DDTreeError(f"drafter vocabulary {dc.vocab_size} does not match the target's {vocab}")
     if dc.num_target_layers != tc.num_hidden_layers:
         raise DDTreeError(
             f"drafter was trained for a {dc.num_target_layers}-layer target; "
@@ -232,12 +317,46 @@ def check_pair(target, drafter: DFlashDrafter) -> None:
         raise DDTreeError(
             f"drafter target_layer_ids {bad} are outside the target's {tc.num_hidden_layers} layers"
         )
-    if drafter.mask_token_id is None or not 0 <= drafter.mask_token_id < vocab:
-        raise DDTreeError(
-            f"drafter mask_token_id {drafter.mask_token_id!r} is missing or outside the vocabulary"
-        )
+    mask = drafter.mask_token_id
+    if mask is None or not 0 <= mask < vocab:
+        raise DDTreeError(f"drafter mask_token_id {mask!r} is missing or outside the vocabulary")
     if drafter.block_size < 2:
         raise DDTreeError(f"drafter block_size must be >= 2, got {drafter.block_size}")
+    if dc.vocab_size != vocab:
+        # The drafter embeds and reads out through the target's own embedding and LM head, so a vocabulary
+        # padded to another size changes nothing; one trained for another tokenizer drafts poorly.
+        log.warning(
+            "drafter vocabulary %d differs from the target's %d: drafts use the target's embedding and LM "
+            "head (all %d tokens; output stays lossless), but if the drafter was trained with another "
+            "tokenizer, expect low acceptance",
+            dc.vocab_size,
+            vocab,
+            vocab,
+        )
+    weight = embedding.weight.detach()
+    norms = weight[:: max(1, vocab // 4096)].float().norm(dim=-1)  # [<= 4096 + 1] rows spread evenly
+    row = float(weight[mask].float().norm())
+    if row < MASK_ROW_FLOOR * float(norms.median()):
+        log.warning(
+            "drafter mask_token_id %d has a near-zero embedding row in the target (norm %.3g, typical "
+            "%.3g): an untrained token; expect very low acceptance (use the mask token the drafter was "
+            "trained with)",
+            mask,
+            row,
+            float(norms.median()),
+        )
+    pad = getattr(tc, "pad_token_id", None)
+    if tokenizer is not None and tokenizer.pad_token_id is not None:
+        pad = tokenizer.pad_token_id
+    for name, ids in (("pad", {pad}), ("EOS", eos_token_ids(target, tokenizer))):
+        if mask in ids:
+            log.warning(
+                "drafter mask_token_id %d is the target's %s token id: the drafter's MASK positions then "
+                "look like real %s tokens; expect low acceptance (use a dedicated mask token)",
+                mask,
+                name,
+                name,
+            )
 
 
 def eos_token_ids(target, tokenizer=None) -> frozenset[int]:

@@ -62,6 +62,12 @@ def shard_target(target, rank: int, world_size: int) -> None:
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if not 0 <= rank < world_size:
         raise DDTreeError(f"tensor-parallel rank {rank} is outside a world of size {world_size}")
+    attn = target.get_decoder().layers[0].self_attn
+    if not all(hasattr(attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        raise DDTreeError(
+            f"tensor parallelism shards GQA attention (q/k/v/o_proj); this target's is a "
+            f"{type(attn).__name__} (MLA): run it with --tensor-parallel-size 1"
+        )
     if heads % world_size or kv_heads % world_size:
         raise DDTreeError(
             f"tensor parallelism over {world_size} ranks needs num_attention_heads ({heads}) and "

@@ -11,6 +11,14 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
+    Kimi_K25Config,
+    Kimi_K25ForConditionalGeneration,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
@@ -89,6 +97,133 @@ def tiny_drafter(target, block_size: int = 8, num_layers: int = 2, seed: int = 1
     torch.manual_seed(seed)
     config = dflash_config(target.config, num_layers=num_layers, block_size=block_size, mask_token_id=MASK)
     return DFlashDrafter(config).eval()
+
+
+# The MLA / GLM-4 MoE families at toy sizes, each with the features the engine must reproduce exactly.
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+MOE_KINDS = ("deepseek_v3", "deepseek_v3_no_q_lora", "kimi_k25", "glm4_moe", "deepseek_v2")
+
+
+def deepseek_v3_fields(vocab: int = VOCAB, init: float = 0.3, layers: int = 3) -> dict:
+    """DeepSeek-V3 / Kimi K2 in miniature: MLA with q_lora, YaRN (mscale in the softmax scale), interleaved
+    rope, sigmoid routing over 2 groups of 4 experts (top-1 group, top-2 experts) plus a shared expert,
+    layer 0 dense."""
+    return dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        rope_parameters=dict(YARN),
+        rope_interleave=True,
+        max_position_embeddings=256,
+        initializer_range=init,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+
+
+def tiny_moe_target(
+    kind: str, vocab: int = VOCAB, seed: int = 0, init: float = 0.3, layers: int = 3, image_token_id: int = -2
+):
+    """A target of ``kind`` (MOE_KINDS) whose greedy continuations vary; routers get a random selection
+    bias (DeepSeek's noaux_tc ``e_score_correction_bias``), so routing differs from the scores' top-k.
+    Kimi's image placeholder is ``image_token_id`` (negative: from the vocabulary's end; ``vocab``: none
+    the model can emit, where HF's wrapper would embed an emitted one as token 0)."""
+    torch.manual_seed(seed)
+    fields = deepseek_v3_fields(vocab, init, layers)
+    if kind == "deepseek_v3":
+        target = DeepseekV3ForCausalLM(DeepseekV3Config(**fields))
+    elif kind == "deepseek_v3_no_q_lora":
+        fields |= dict(q_lora_rank=None, rope_interleave=False)
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+        target = DeepseekV3ForCausalLM(DeepseekV3Config(**fields))
+    elif kind == "kimi_k25":
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+        config = Kimi_K25Config(
+            text_config=fields | {"model_type": "kimi_k2"},
+            vision_config=vision,
+            projection_hidden_size=32,
+            image_token_id=image_token_id % (vocab + 1),
+            video_token_id=vocab,
+            tie_word_embeddings=False,
+        )
+        target = Kimi_K25ForConditionalGeneration(config)
+    elif kind == "glm4_moe":
+        config = Glm4MoeConfig(
+            **{k: fields[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")},
+            moe_intermediate_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            partial_rotary_factor=0.5,
+            use_qk_norm=True,
+            attention_bias=True,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            max_position_embeddings=256,
+            initializer_range=init,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+        )
+        target = Glm4MoeForCausalLM(config)
+    elif kind == "deepseek_v2":
+        fields |= dict(q_lora_rank=None, n_group=1, topk_group=1, topk_method="greedy")
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+        for key in ("rope_interleave",):
+            fields.pop(key)
+        target = DeepseekV2ForCausalLM(DeepseekV2Config(**fields))
+    else:
+        raise ValueError(kind)
+    for name, buffer in target.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.normal_(std=0.1)
+    return target.eval()
+
+
+def text_config(target):
+    """The config of the causal LM the engine runs: a multimodal wrapper's text config."""
+    return getattr(target.config, "text_config", None) or target.config
+
+
+def moe_drafter(target, block_size: int = 8, num_layers: int = 1, seed: int = 1) -> DFlashDrafter:
+    """A DFlash drafter for any target (hidden size equal to the target's, its GQA heads chosen by
+    ``dflash_config``), MASK the vocabulary's last id."""
+    torch.manual_seed(seed)
+    config = text_config(target)
+    drafter_config = dflash_config(
+        config, num_layers=num_layers, block_size=block_size, mask_token_id=config.vocab_size - 1
+    )
+    return DFlashDrafter(drafter_config).eval()
 
 
 CONTEXT = 64  # max_position_embeddings of the saved tiny target: room for short prompts only

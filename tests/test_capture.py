@@ -25,7 +25,7 @@ from ddtree.budget import CostModel, LinearCost
 from ddtree.capture import batch_ladder, node_ladder, pick, tree_mask
 from ddtree.engine import Engine
 from ddtree.engine.clock import StageClock
-from ddtree.kv_cache import PagedKVCache
+from ddtree.kv_cache import KVLayout, PagedKVCache
 from ddtree.params import SamplingParams
 
 DEVICE = os.environ.get("DDTREE_TEST_DEVICE", "cpu")
@@ -252,7 +252,7 @@ def test_paged_block_mask_shows_each_row_its_own_columns_only():
     row's last needed block."""
     gen = torch.Generator().manual_seed(0)
     b, n, heads, kv_heads, d, bs, width = 4, 5, 4, 2, 16, 4, 6
-    cache = PagedKVCache(1, 1 + b * width, bs, width, kv_heads, d, torch.float32, "cpu")
+    cache = PagedKVCache(1, 1 + b * width, bs, width, KVLayout.gqa(kv_heads, d), torch.float32, "cpu")
     cache.keys[0].normal_(generator=gen)
     cache.values[0].normal_(generator=gen)
     tables = torch.zeros(b, width + 1, dtype=torch.int64)

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from ddtree.drafter import DFlashDrafter, default_target_layer_ids, dflash_config
 from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
-from ddtree.kv_cache import PagedKVCache
+from ddtree.kv_cache import KVLayout, PagedKVCache
 from tests.conftest import MASK, tiny_drafter, tiny_target
 
 
@@ -77,7 +77,7 @@ def test_context_cache_equals_recomputing_the_context():
     positions = torch.arange(9, 17)[None]
     attn = drafter.layers[0].self_attn
     cache = PagedKVCache(
-        len(drafter.layers), 16, 4, 8, attn.num_kv_heads, attn.head_dim, torch.float32, "cpu"
+        len(drafter.layers), 16, 4, 8, KVLayout.gqa(attn.num_kv_heads, attn.head_dim), torch.float32, "cpu"
     )  # 15 blocks of 4 columns (block 0 is scratch), tables of 8 entries
     first_table = torch.tensor([[7, 3, 12, 1, 5, 0, 0, 0, 0]])  # scattered, out of order
     other_table = torch.tensor([[2, 9, 14, 4, 11, 0, 0, 0, 0]])
@@ -110,7 +110,6 @@ def mismatched(target, **overrides) -> DFlashDrafter:
     ("overrides", "message"),
     [
         ({"hidden_size": 32}, "hidden size"),
-        ({"vocab_size": 64}, "vocabulary"),
         ({"target_layer_ids": [7]}, "outside the target"),
         ({"mask_token_id": None}, "mask_token_id"),
         ({"mask_token_id": 999}, "mask_token_id"),

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare, power_divergence
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -87,6 +87,48 @@ def build_models() -> tuple[Qwen3ForCausalLM, DFlashDrafter]:
     return target, drafter
 
 
+def build_mla_models() -> tuple[DeepseekV3ForCausalLM, DFlashDrafter]:
+    """An MLA + MoE target (DeepSeek-V3's layout: q_lora, YaRN, interleaved rope, 2 routing groups, a dense
+    layer 0) over the same 6-token vocabulary, and a drafter for it (``dflash_config``'s GQA heads)."""
+    config = DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+            beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+        ),
+        max_position_embeddings=64,
+        initializer_range=TARGET_INIT,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TARGET_SEED)
+        target = DeepseekV3ForCausalLM(config).eval()
+        torch.manual_seed(DRAFTER_SEED)
+        drafter_config = dflash_config(
+            config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, initializer_range=DRAFTER_INIT
+        )
+        drafter = DFlashDrafter(drafter_config).eval()
+    return target, drafter
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
     """Tiny matmuls: a second thread only adds contention (and CI's other core may be busy)."""
@@ -99,6 +141,11 @@ def one_thread() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def real_models() -> tuple[Qwen3ForCausalLM, DFlashDrafter]:
     return build_models()
+
+
+@pytest.fixture(scope="module")
+def mla_models() -> tuple[DeepseekV3ForCausalLM, DFlashDrafter]:
+    return build_mla_models()
 
 
 # --- the exact law of the next 3 tokens ------------------------------------------------------------------
@@ -335,6 +382,35 @@ def test_seeded_requests_are_reproducible_and_seeds_differ(real_models, method: 
         tuple(engine.generate(PROMPT, replace(params, seed=s), method=method).token_ids) for s in range(8)
     }
     assert len(others) >= 6
+
+
+def test_an_mla_targets_samples_follow_its_distribution_with_top_p(mla_models):
+    """T=1 with top-p 0.8 on an MLA target (the latent pool, absorbed verify forwards, expanded prefills):
+    the engine's samples pass the chi-square and G-test against HF's warpers' exact law."""
+    draws, chi2_p, g_p = sample_and_fit(mla_models, "ddtree", "top-p 0.8", N_FAST, seed=0)
+    assert_tree_path_exercised(draws, "ddtree")
+    assert chi2_p > P_PASS and g_p > P_PASS, (chi2_p, g_p)
+
+
+def test_seeded_samples_on_an_mla_target_are_the_same_alone_or_batched(mla_models):
+    """Each seeded request emits the same tokens alone and in a batch of eight with other methods."""
+    params = [
+        SamplingParams(temperature=t, top_p=p, seed=s, max_new_tokens=20)
+        for s, (t, p) in enumerate([(1.0, 1.0), (0.7, 0.9), (1.0, 0.8), (1.3, 1.0)] * 2)
+    ]
+    methods = ["ddtree", "dflash", "ar", "ddtree"] * 2
+    prompts = [PROMPT[: 1 + i % len(PROMPT)] for i in range(8)]
+    engine = Engine(*mla_models, budget=BUDGET, max_num_seqs=8, prefill_gap_rounds=None)
+    solo = [
+        engine.generate(p, sp, method=m).token_ids for p, sp, m in zip(prompts, params, methods, strict=True)
+    ]
+    ids = [engine.add_request(p, sp, method=m) for p, sp, m in zip(prompts, params, methods, strict=True)]
+    batched: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            batched[delta.request_id] += delta.token_ids
+    assert [batched[i] for i in ids] == solo
+    assert len({tuple(t) for t in solo}) >= 6  # the seeds and settings give different samples
 
 
 @torch.inference_mode()

@@ -80,8 +80,7 @@ def greedy(model: nn.Module, forward: TargetForward) -> dict[str, torch.Tensor]:
         1 + b * width,
         bs,
         width,
-        forward.num_kv_heads,
-        forward.head_dim,
+        forward.layout,
         torch.float32,
         "cpu",
     )

@@ -22,6 +22,7 @@ from ddtree.argparsing import (
     add_draft_topk,
     add_memory_options,
     add_threads_option,
+    add_trust_remote_code,
     apply_threads,
     check_compile_options,
     memory_options,
@@ -81,6 +82,7 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="shard the target over N ranks (engine methods only, without --compile)")  # fmt: skip
     add_memory_options(p)
+    add_trust_remote_code(p)
     add_threads_option(p)
     p.add_argument("--tree-vocab", type=int, default=32768,
                    help="vocabulary of the tree-build timing; 0 = skip it")  # fmt: skip
@@ -183,6 +185,7 @@ def load_sharded_engine(args: argparse.Namespace, cfg, max_batch_size: int):
         device=args.device,
         dtype=args.dtype,
         tensor_parallel_size=args.tensor_parallel_size,
+        trust_remote_code=args.trust_remote_code,
         max_batch_size=max_batch_size,
         profile=True,
         **memory_options(args),
@@ -229,7 +232,9 @@ def load_models(args: argparse.Namespace, needs_drafter: bool):
 
     target, drafter = model_dirs(args, needs_drafter)
     device = check_device(args.device)
-    target_model, tokenizer = load_target(target, device, args.dtype, args.max_model_len)
+    target_model, tokenizer = load_target(
+        target, device, args.dtype, args.max_model_len, trust_remote_code=args.trust_remote_code
+    )
     drafter_model = None
     if drafter is not None:
         dtype = next(target_model.parameters()).dtype  # --dtype auto resolved

@@ -53,6 +53,7 @@ from ddtree.models import (
     eos_token_ids,
     load_drafter,
     load_target,
+    media_token_ids,
 )
 from ddtree.params import (
     AUTO,
@@ -126,7 +127,7 @@ class Engine:
         self.target = target.eval()
         self.tokenizer = tokenizer
         if drafter is not None:
-            check_pair(target, drafter)
+            check_pair(target, drafter, tokenizer)
         self.method, self.budget, self.topk = check_engine_options(method, budget, topk, drafter is not None)
         self.accept_threshold_single, self.accept_threshold_acc = check_accept_thresholds(
             accept_threshold_single, accept_threshold_acc
@@ -216,6 +217,7 @@ class Engine:
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "auto",
         tensor_parallel_size: int = 1,
+        trust_remote_code: bool = False,
         **engine_options,
     ) -> Engine:
         """Load a target (and drafter) from local directories; with neither, the built-in pair.
@@ -226,7 +228,10 @@ class Engine:
         ``tensor_parallel_size`` N > 1 shards the target over N ranks (``ddtree.engine.ranks``): this
         process is rank 0 and spawns ranks 1..N-1 (gloo on the CPU; NCCL on GPUs 0..N-1), or, started by
         torchrun, joins its ranks; there a rank other than 0 serves rank 0's steps and exits when it stops.
-        ``close()`` (or ``with``) ends them."""
+        ``close()`` (or ``with``) ends them.
+
+        ``trust_remote_code`` lets a tokenizer that ships as code in the checkpoint (Kimi's) run; the model
+        is always transformers' own class."""
         if target_dir is None and drafter_dir is None:
             target_dir, drafter_dir = DEFAULT_TARGET, DEFAULT_DRAFTER
         check_engine_options(method, budget, topk, drafter_dir is not None)  # fail before loading weights
@@ -236,12 +241,16 @@ class Engine:
         channel = None
         if tensor_parallel_size > 1:
             target, tokenizer, channel = start_tensor_parallel(
-                target_dir, dtype, device, max_model_len, tensor_parallel_size
+                target_dir, dtype, device, max_model_len, tensor_parallel_size, trust_remote_code
             )
             device = channel.device
         else:
             target, tokenizer = load_target(
-                target_dir, device=device, dtype=dtype, max_model_len=max_model_len
+                target_dir,
+                device=device,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                trust_remote_code=trust_remote_code,
             )
         try:
             drafter = None
@@ -289,6 +298,7 @@ class Engine:
 
     device = property(lambda self: self.runner.device)
     dtype = property(lambda self: self.runner.dtype)
+    kv_cache_bytes_per_token = property(lambda self: self.runner.kv_cache_bytes_per_token)
     drafter = property(lambda self: self.runner.drafter)
     embed = property(lambda self: self.runner.embed)
     lm_head = property(lambda self: self.runner.lm_head)
@@ -306,6 +316,18 @@ class Engine:
     attention = property(lambda self: self.runner.attention)
     cost = property(lambda self: self.auto.cost)
     calibration = property(lambda self: self.auto.calibration)
+
+    def kv_cache_summary(self) -> dict:
+        """The KV pool in the numbers a deployment sizes by (the server's start-up log, ``--stats``):
+        tokens it holds, the target's bytes per token (all layers; MLA's latent or GQA's keys and values),
+        and how many requests at ``max_model_len`` fit at once (the drafter's pool shares the blocks)."""
+        runner = self.runner
+        return {
+            "kv_cache_tokens": (self.blocks.num_blocks - 1) * self.blocks.block_size,
+            "kv_cache_bytes_per_token": self.kv_cache_bytes_per_token,
+            "kv_cache_layout": "MLA latent" if runner.cache.layout.is_latent else "GQA keys and values",
+            "max_concurrency": (self.blocks.num_blocks - 1) / runner.width,
+        }
 
     def _check_captured_budget(self, budget: int | str) -> None:
         if budget != AUTO:
@@ -500,6 +522,12 @@ class Engine:
         vocab = self.embed.num_embeddings
         if any(t < 0 or t >= vocab for t in ids):
             raise DDTreeError(f"prompt token ids must be in [0, {vocab})")
+        media = media_token_ids(self.target).intersection(ids)
+        if media:
+            raise DDTreeError(
+                f"prompt holds image/video placeholder token ids {sorted(media)}: ddtree serves this "
+                "model's text backbone only; send text"
+            )
         return ids
 
     def _follow(self, request_id: str) -> Iterator[StreamDelta]:

@@ -62,14 +62,15 @@ class CacheConfig:
 
 
 def activation_bytes(
-    config, tokens: int, rows: int, nodes: int, span: int, elem: int, kv_heads: int, head_dim: int
+    config, tokens: int, rows: int, nodes: int, span: int, elem: int, column_bytes: int
 ) -> int:
     """An upper estimate of the largest step's transient memory, for contexts of ``span`` columns: a prefill
     of ``tokens`` tokens or a round of ``rows`` trees of ``nodes`` nodes. Per token: hidden states and MLP
-    activations (and for a round float32 distributions over the vocabulary); per row: its keys and values
-    gathered from their blocks, the heads they are expanded to (GQA) and the mask."""
+    activations (and for a round float32 distributions over the vocabulary); per row: ``column_bytes`` per
+    column (what its attention gathers and expands: ``TargetForward.gathered_bytes_per_column``) and the
+    mask."""
     h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    per_row = span * (2 * kv_heads * head_dim * elem + config.num_attention_heads * head_dim * elem)
+    per_row = span * column_bytes
     prefill = tokens * ((8 * h + 3 * i) * elem + span) + per_row
     round_ = rows * nodes * ((8 * h + 3 * i) * elem + 16 * v + span) + rows * per_row
     return max(prefill, round_)

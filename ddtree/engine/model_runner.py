@@ -40,7 +40,7 @@ from ddtree.engine.ranks import StepChannel, close_channel, replicated
 from ddtree.engine.request import Request
 from ddtree.errors import DDTreeError
 from ddtree.forward import Float32Linear, TargetForward
-from ddtree.kv_cache import PagedKVCache
+from ddtree.kv_cache import KVLayout, PagedKVCache
 
 
 def fast_low_precision(device: torch.device) -> torch.dtype:
@@ -130,13 +130,15 @@ class ModelRunner:
             self.draft_block = pool[1]  # rank 0's: the block tables it sends have its width
         bs = cache_config.block_size
         self.block_size = bs
-        layouts = [(len(self.forward.layers), self.forward.num_kv_heads, self.forward.head_dim, self.dtype)]
+        # (layers, what a layer caches per token, dtype) of the target's pool and the drafter's
+        layouts = [(len(self.forward.layers), self.forward.layout, self.dtype)]
         if self.drafter is not None:
             attn = self.drafter.layers[0].self_attn
-            layouts.append(
-                (len(self.drafter.layers), attn.num_kv_heads, attn.head_dim, next(attn.parameters()).dtype)
-            )
-        self.block_bytes = sum(2 * n * heads * dim * bs * dt.itemsize for n, heads, dim, dt in layouts)
+            draft_layout = KVLayout.gqa(attn.num_kv_heads, attn.head_dim)
+            layouts.append((len(self.drafter.layers), draft_layout, next(attn.parameters()).dtype))
+        per_token = [n * layout.elements_per_token() * dt.itemsize for n, layout, dt in layouts]
+        self.kv_cache_bytes_per_token = per_token[0]  # the target's pool, all layers
+        self.block_bytes = sum(per_token) * bs  # both pools: one allocation covers a request in each
 
         def width(length: int) -> int:
             """Block-table entries of a request of ``length`` tokens: its context, then the widest of the
@@ -151,8 +153,7 @@ class ModelRunner:
                 max_nodes,
                 width(length) * bs,
                 self.dtype.itemsize,
-                self.forward.num_kv_heads,
-                self.forward.head_dim,
+                self.forward.gathered_bytes_per_column(self.dtype.itemsize),
             )
 
         if pool is None:
@@ -171,8 +172,8 @@ class ModelRunner:
         self.num_blocks, self.max_model_len = plan.num_blocks, plan.max_model_len
         self.width = width(self.max_model_len)
         caches = [
-            PagedKVCache(n, self.num_blocks, bs, self.width, heads, dim, dt, self.device)
-            for n, heads, dim, dt in layouts
+            PagedKVCache(n, self.num_blocks, bs, self.width, layout, dt, self.device)
+            for n, layout, dt in layouts
         ]
         self.cache = caches[0]
         self.draft_cache = caches[1] if self.drafter is not None else None
@@ -328,7 +329,8 @@ class ModelRunner:
         feature_layers = self.drafter.target_layer_ids if features and self.drafter is not None else None
         upcast = emulated_half(device, self.dtype) and ids.size >= FLOAT32_PREFILL_TOKENS
         with Float32Linear() if upcast else contextlib.nullcontext():
-            hidden, feats = self.forward(ids_t, positions_t, write, mask, feature_layers)  # [B, P, H]
+            # MLA expands keys/values from the latent here: many queries per row (``ddtree.forward``)
+            hidden, feats = self.forward(ids_t, positions_t, write, mask, feature_layers, absorbed=False)
         if self.channel is not None and not self.channel.leader:
             return None, None  # rank 0 alone reads the logits
         last = torch.from_numpy(lengths - 1).to(device)

@@ -302,7 +302,7 @@ def load_shard(spec: ShardSpec, rank: int, world_size: int, device: torch.device
     from ddtree.models import load_target  # here: models imports transformers, which rank 0 has already
 
     target, _ = load_target(
-        spec.target_dir, device=device, dtype=spec.dtype, max_model_len=spec.max_model_len
+        spec.target_dir, device=device, dtype=spec.dtype, max_model_len=spec.max_model_len, tokenizer=False
     )
     shard_target(target, rank, world_size)
     return target
@@ -433,7 +433,12 @@ def run_torchrun_worker(spec: ShardSpec) -> None:
 
 
 def start_tensor_parallel(
-    target_dir, dtype: str | torch.dtype, device: torch.device, max_model_len: int | None, world_size: int
+    target_dir,
+    dtype: str | torch.dtype,
+    device: torch.device,
+    max_model_len: int | None,
+    world_size: int,
+    trust_remote_code: bool = False,
 ):
     """Rank 0 of ``world_size``: start the other ranks (or, under torchrun, join them), load and shard
     this rank's target while they load theirs, and open the step channel. Returns (target shard,
@@ -456,7 +461,7 @@ def start_tensor_parallel(
     ranks = RankSet(world_size, spec) if launched is None else None
     try:
         device = rank_device(device, 0 if launched is None else launched[2])
-        target, tokenizer = load_target(target_dir, device=device, dtype=dtype, max_model_len=max_model_len)
+        target, tokenizer = load_target(target_dir, device, dtype, max_model_len, trust_remote_code)
         shard_target(target, 0, world_size)
         if ranks is not None:
             ranks.wait_loaded()

@@ -219,15 +219,19 @@ class EngineWorker:
             engine.max_batch_size,
             torch.get_num_threads(),  # this thread's: the one that runs every forward
         )
+        pool = engine.kv_cache_summary()
         log.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB, %s); max_model_len %d: %.1f requests at full "
-            "length at once",
+            "KV cache: %d blocks of %d tokens, %d tokens (%.2f GiB, %s), %d bytes per token (%s); maximum "
+            "concurrency for max-model-len requests (%d tokens): %.1fx",
             engine.blocks.num_blocks - 1,
             engine.blocks.block_size,
+            pool["kv_cache_tokens"],
             engine.runner.kv_cache_bytes / (1 << 30),
             engine.dtype,
+            pool["kv_cache_bytes_per_token"],
+            pool["kv_cache_layout"],
             engine.max_model_len,
-            (engine.blocks.num_blocks - 1) / engine.runner.width,
+            pool["max_concurrency"],
         )
         self._count()
         try:

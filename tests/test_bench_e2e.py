@@ -149,7 +149,7 @@ def test_register_bench_adds_the_subcommand():
     assert args.prompts == "builtin" and args.repeats == 3 and callable(args.func)
     defaults = parser.parse_args(["bench"])
     assert defaults.methods == ("ar", "dflash", "ddtree", "hf", "hf-pld")
-    assert defaults.budgets == (4, 8, 16, 32, 64, 128) and defaults.temperatures == (0.0, 1.0)
+    assert defaults.budgets == ("auto", 4, 8, 16, 32, 64, 128) and defaults.temperatures == (0.0, 1.0)
 
 
 def test_prompt_files(setup, tmp_path):

@@ -101,11 +101,12 @@ class TargetForward:
             self.num_kv_heads = config.num_key_value_heads // world
             self.layout = KVLayout.gqa(self.num_kv_heads, self.head_dim)
 
-    def gathered_bytes_per_column(self, elem: int) -> int:
+    def gathered_bytes_per_column(self, elem: int, absorbed: bool = False) -> int:
         """Transient bytes per context column a row's attention builds: the gathered GQA keys/values and the
-        heads they expand to, or the gathered latent and the keys/values a prefill expands from it."""
+        heads they expand to, or the gathered latent and, unless ``absorbed`` (a round's verify forward),
+        the keys/values a prefill expands from it."""
         if self.mla:
-            expanded = self.num_heads * (self.nope_dim + self.rope_dim + self.v_dim)
+            expanded = 0 if absorbed else self.num_heads * (self.nope_dim + self.rope_dim + self.v_dim)
             return (self.rank + self.rope_dim + expanded) * elem
         return (2 * self.num_kv_heads + self.num_heads) * self.head_dim * elem
 

@@ -62,17 +62,24 @@ class CacheConfig:
 
 
 def activation_bytes(
-    config, tokens: int, rows: int, nodes: int, span: int, elem: int, column_bytes: int
+    config,
+    tokens: int,
+    rows: int,
+    nodes: int,
+    span: int,
+    elem: int,
+    column_bytes: int,
+    round_column_bytes: int | None = None,
 ) -> int:
     """An upper estimate of the largest step's transient memory, for contexts of ``span`` columns: a prefill
     of ``tokens`` tokens or a round of ``rows`` trees of ``nodes`` nodes. Per token: hidden states and MLP
     activations (and for a round float32 distributions over the vocabulary); per row: ``column_bytes`` per
-    column (what its attention gathers and expands: ``TargetForward.gathered_bytes_per_column``) and the
-    mask."""
+    column (what its attention gathers and expands: ``TargetForward.gathered_bytes_per_column``; in a round
+    ``round_column_bytes`` where it differs: MLA's absorbed verify expands nothing) and the mask."""
     h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    per_row = span * column_bytes
-    prefill = tokens * ((8 * h + 3 * i) * elem + span) + per_row
-    round_ = rows * nodes * ((8 * h + 3 * i) * elem + 16 * v + span) + rows * per_row
+    round_column_bytes = column_bytes if round_column_bytes is None else round_column_bytes
+    prefill = tokens * ((8 * h + 3 * i) * elem + span) + span * column_bytes
+    round_ = rows * nodes * ((8 * h + 3 * i) * elem + 16 * v + span) + rows * span * round_column_bytes
     return max(prefill, round_)
 
 

@@ -154,6 +154,7 @@ class ModelRunner:
                 width(length) * bs,
                 self.dtype.itemsize,
                 self.forward.gathered_bytes_per_column(self.dtype.itemsize),
+                self.forward.gathered_bytes_per_column(self.dtype.itemsize, absorbed=True),
             )
 
         if pool is None:

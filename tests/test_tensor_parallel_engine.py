@@ -15,7 +15,8 @@ from ddtree.engine import Engine
 from ddtree.params import SamplingParams
 
 TP = 2
-OPTIONS = dict(dtype=torch.float32, max_model_len=512, kv_cache_memory="64MiB", max_num_seqs=8)
+# budget 16: a seed repeats a sample only with a fixed tree (under auto the tree follows timing)
+OPTIONS = dict(dtype=torch.float32, max_model_len=512, kv_cache_memory="64MiB", max_num_seqs=8, budget=16)
 PROMPTS = [
     "def fibonacci(n):",
     "The capital of France is",

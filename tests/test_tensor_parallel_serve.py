@@ -119,7 +119,9 @@ def test_generate_prints_one_process_output_when_spawning_ranks_or_under_torchru
     )  # fmt: skip
     for run in (one, spawned, torchrun):
         assert run.returncode == 0, run.stderr
-        assert run.stderr == "", run.stderr  # no rank prints a progress bar or a notice
+        # No rank prints a progress bar or a notice; rank 0 may say once why budget auto stopped drafting.
+        notices = [line for line in run.stderr.splitlines() if not line.startswith("budget auto: ")]
+        assert notices == [], run.stderr
     assert spawned.stdout == one.stdout == torchrun.stdout
     assert len(one.stdout) > len("def fibonacci(n):") + 10
 

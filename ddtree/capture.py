@@ -135,13 +135,19 @@ class StaticInputs:
         return self.host(array).to(self.device, non_blocking=True)
 
 
+_compiled_shapes = 0  # shapes compile_forward has been asked for in this process, every engine's
+
+
 def compile_forward(fn: Callable, device: torch.device, num_shapes: int) -> Callable:
     """``torch.compile`` of one forward for ``num_shapes`` fixed shapes: one graph each, no graph break,
     CUDA graphs on CUDA."""
+    global _compiled_shapes
     config = torch._dynamo.config
-    # Every shape is a new entry for the same code: let all of them compile rather than fall back.
-    config.recompile_limit = max(config.recompile_limit, num_shapes + 1)
-    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * num_shapes)
+    # Every shape is a new entry for the same code, and so is every shape of an earlier engine of this
+    # process (the forwards are the same methods): let all of them compile rather than fail.
+    _compiled_shapes += num_shapes
+    config.recompile_limit = max(config.recompile_limit, _compiled_shapes + 1)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * _compiled_shapes)
     if device.type != "cuda":
         return torch.compile(fn, fullgraph=True, dynamic=False)
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")

@@ -17,7 +17,6 @@ from ddtree.capture import tree_mask
 from ddtree.cli import main
 from ddtree.drafter import DFlashDrafter, dflash_config
 from ddtree.engine import Engine
-from ddtree.errors import DDTreeError
 from ddtree.forward import TargetForward
 from ddtree.kv_cache import PagedKVCache
 from ddtree.models import load_target, text_backbone
@@ -40,6 +39,9 @@ from tests.conftest import (
     tiny_target,
     tiny_tokenizer,
 )
+from tests.test_engine_greedy import hf_greedy
+from tests.test_loaders import refusal
+from tests.test_paged import run
 
 TOKENIZER = tiny_tokenizer()
 VOCAB = len(TOKENIZER)
@@ -47,26 +49,6 @@ PROMPTS = [[1, 5, 9, 22, 3, 7, 7, 2], [30, 2, 2, 14, 8, 19, 25, 11, 4, 0, 6, 13,
 TEXT = "def fibonacci(n):"
 NEW = 24
 CONTEXT = 256
-
-
-def hf_greedy(model, prompt: list[int], new: int = NEW) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=new,
-            do_sample=False,
-            pad_token_id=0,
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        )
-    return out[0, len(prompt) :].tolist()
-
-
-def refusal(call, *args, **kwargs) -> str:
-    with pytest.raises(DDTreeError) as exc:
-        call(*args, **kwargs)
-    message = str(exc.value)
-    assert "\n" not in message
-    return message
 
 
 @pytest.fixture(scope="module", params=MOE_KINDS)
@@ -79,7 +61,7 @@ def saved(request, tmp_path_factory):
     TOKENIZER.save_pretrained(root / "target")
     moe_drafter(target).save_pretrained(root / "drafter")
     prompts = [*PROMPTS, TOKENIZER.encode(TEXT)]
-    expected = {tuple(p): hf_greedy(target, p) for p in prompts}
+    expected = {tuple(p): hf_greedy(target, p, NEW) for p in prompts}
     assert all(len(set(e)) > 4 for e in expected.values())  # not one repeated token
     return request.param, root / "target", root / "drafter", expected
 
@@ -110,15 +92,6 @@ def test_glm4_moe_target_rotates_half_of_each_head():
 def mla():
     target = tiny_moe_target("deepseek_v3")
     return target, moe_drafter(target)
-
-
-def run(engine: Engine, specs: list[tuple[list[int], SamplingParams, str]]) -> list[list[int]]:
-    ids = [engine.add_request(p, params, method=m) for p, params, m in specs]
-    out: dict[str, list[int]] = {i: [] for i in ids}
-    while engine.has_unfinished_requests():
-        for d in engine.step():
-            out[d.request_id] += d.token_ids
-    return [out[i] for i in ids]
 
 
 def specs(n: int, new: int) -> list[tuple[list[int], SamplingParams, str]]:

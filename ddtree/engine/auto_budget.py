@@ -56,10 +56,9 @@ def kind(r: Request) -> str:
 class AutoBudget:
     """Chooses auto rows' tree sizes from expected tokens per second; learns from every round."""
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, cost_model: CostModel | None, now) -> None:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, cost_model: CostModel | None) -> None:
         self.runner = runner
         self.scheduler = scheduler  # its auto_skip: plain rounds left for auto rows
-        self.now = now
         self.cost = cost_model or CostModel()  # measured at the first auto round, then kept current
         self.calibration = AcceptanceCalibration()
         self.status = AutoStatus()
@@ -175,7 +174,7 @@ class AutoBudget:
         for r, m in zip(rows, sizes, strict=True):
             r.stats.drafted_nodes.append(int(m) - 1)
         if seen is None:
-            self._count_plain(rows, sizes)
+            self._record_rounds(rows, sizes)
             return
         for i, (r, m, (nodes, tokens)) in enumerate(zip(rows, sizes, verdicts, strict=True)):
             n = int(seen.candidates[i])
@@ -194,9 +193,9 @@ class AutoBudget:
                 self._first.append(bool(seen.tokens[i, 1] == tokens[0]))  # node 1: the likeliest first draft
         self.status.first_drafts = len(self._first)
         self.status.first_drafts_accepted = sum(self._first)
-        self._count_plain(rows, sizes)
+        self._record_rounds(rows, sizes)
 
-    def _count_plain(self, rows: list[Request], sizes: np.ndarray) -> None:
+    def _record_rounds(self, rows: list[Request], sizes: np.ndarray) -> None:
         """Count the auto rows' rounds with and without drafted nodes; each row's stats get a snapshot."""
         self.status.stretch = self.scheduler.auto_skip
         for r, m in zip(rows, sizes, strict=True):

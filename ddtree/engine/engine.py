@@ -191,7 +191,7 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, self.runner.draft_block)
         self.proposer = Proposer(self.runner, auto_max_budget, sampling_aware_trees)
         self.verifier = Verifier(self.runner, self.accept_threshold_single, self.accept_threshold_acc)
-        self.auto = AutoBudget(self.runner, self.scheduler, cost_model, self._now)
+        self.auto = AutoBudget(self.runner, self.scheduler, cost_model)
         self.runner.setup_shapes(
             compile, fixed_shapes, max_num_seqs, deepest, batch_buckets, node_buckets, span_buckets, attention
         )

@@ -177,6 +177,9 @@ def add_memory_options(p: argparse.ArgumentParser) -> None:
                    help="tokens a step may prefill; longer prompts are prefilled in chunks, between "
                    "rounds of the running requests")  # fmt: skip
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks (and the drafter's context) of prompt prefixes that earlier "
+                   "requests computed, instead of prefilling them again")  # fmt: skip
 
 
 def add_trust_remote_code(p: argparse.ArgumentParser) -> None:
@@ -193,4 +196,5 @@ def memory_options(args: argparse.Namespace) -> dict:
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "block_size": args.block_size,
+        "enable_prefix_caching": args.enable_prefix_caching,
     }

@@ -98,6 +98,7 @@ class Engine:
         kv_cache_memory: int | str | None = None,
         gpu_memory_utilization: float = 0.9,
         block_size: int = 16,
+        enable_prefix_caching: bool = True,
         max_batch_size: int | None = None,
         prefill_gap_rounds: float | None = PREFILL_GAP_ROUNDS,
         accept_threshold_single: float = 1.0,
@@ -118,7 +119,10 @@ class Engine:
         """``channel``: rank 0's step channel when ``target`` is its tensor-parallel shard (built by
         ``from_pretrained(tensor_parallel_size=N)``, which starts the other ranks). ``prefill_gap_rounds``:
         while requests decode, a prefill step prefills what this many rounds' measured time does (None:
-        ``max_num_batched_tokens`` alone, scheduling that does not depend on timing)."""
+        ``max_num_batched_tokens`` alone, scheduling that does not depend on timing).
+        ``enable_prefix_caching``: a request whose prompt starts with full blocks another request computed
+        reuses their keys/values (and the drafter's context) instead of prefilling them (vLLM's automatic
+        prefix caching; ``add_request(cache_salt=)`` keeps tenants apart)."""
         if tensor_parallel_size != 1 and channel is None:
             raise DDTreeError(
                 "tensor_parallel_size needs Engine.from_pretrained(TARGET_DIR, DRAFTER_DIR, "
@@ -187,7 +191,7 @@ class Engine:
             channel=channel,
         )
         self.max_model_len = self.runner.max_model_len  # lowered to what the KV budget holds, if unset
-        self.blocks = BlockManager(self.runner.num_blocks, block_size)
+        self.blocks = BlockManager(self.runner.num_blocks, block_size, prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, self.runner.draft_block)
         self.proposer = Proposer(self.runner, auto_max_budget, sampling_aware_trees)
         self.verifier = Verifier(self.runner, self.accept_threshold_single, self.accept_threshold_acc)
@@ -385,9 +389,11 @@ class Engine:
         budget: int | None = None,
         topk: int | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a request; it starts (prefill) at a coming ``step``. Bad input raises ``DDTreeError`` here,
-        before anything runs, and leaves the other requests alone."""
+        before anything runs, and leaves the other requests alone. Requests with different ``cache_salt``s
+        never share prefix-cache blocks."""
         params = params or SamplingParams()
         method, budget, topk = check_engine_options(
             method or self.method,
@@ -422,6 +428,7 @@ class Engine:
                 ),
                 generator=torch.Generator(device=self.device).manual_seed(seed),
                 auto_width=self.auto.start_width,
+                cache_salt=cache_salt,
             )
         )
         return request_id
@@ -609,6 +616,7 @@ class Engine:
                 [r.root], token_logprobs(logits[i : i + 1], [r.root], r.params.logprobs) if want else None
             )
             deltas.append(delta_of(r, 0))
+        self.scheduler.cache_blocks(batch)
         self._release_finished([batch[i] for i in done])
         return deltas
 
@@ -645,6 +653,7 @@ class Engine:
         with clock.stage("commit"):
             deltas, verdicts = self.verifier.commit(rows, accepted, hidden, features, batch.tables)
             self.auto.learn(rows, trees.sizes, seen, verdicts)
+            self.scheduler.cache_blocks(rows)
             self._release_finished(rows)
         elapsed = time.perf_counter() - t_round
         self._round_seconds = moving(self._round_seconds, elapsed)

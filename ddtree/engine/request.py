@@ -60,6 +60,7 @@ class GenerationStats:
     decode_seconds: float = 0.0
     decode_tokens: int = 0
     preemptions: int = 0  # times the request lost its KV blocks and was recomputed
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission (not prefilled)
     accept_thresholds: tuple[float, float] = (1.0, 1.0)  # (single, acc); below 1.0 the output is lossy
     auto: AutoStatus | None = None  # budget "auto": the engine's decision at this request's last round
 
@@ -91,6 +92,7 @@ class GenerationStats:
             "decode_tokens": self.decode_tokens,
             "decode_tokens_per_second": self.decode_tokens_per_second,
             "preemptions": self.preemptions,
+            "cached_tokens": self.cached_tokens,
         }
         if self.auto is not None:
             out["auto"] = self.auto.as_dict()
@@ -124,11 +126,13 @@ class Request:
     """One request's decoding state, public so a scheduler can see it.
 
     While it runs it owns the KV blocks ``blocks`` (its block table, the same in the target's and the
-    drafter's pool). A prefill puts ``prefill_ids`` in the cache, ``computed`` of them so far (in chunks
-    when long); after that the cache holds the committed tokens at columns [0, start) and the root (the last
-    emitted token, not yet in the cache) sits at position ``start``. A drafting request's drafter cache
-    holds [0, draft_len), and ``features`` the target features of the tokens it has not consumed yet.
-    A preempted request loses all of that and is prefilled again from its prompt and output.
+    drafter's pool), the first of them perhaps shared with other requests through the prefix cache. A
+    prefill puts ``prefill_ids`` in the cache, ``computed`` of them so far (in chunks when long; a prefix
+    cache hit counts as computed); after that the cache holds the committed tokens at columns [0, start)
+    and the root (the last emitted token, not yet in the cache) sits at position ``start``. A drafting
+    request's drafter cache holds [0, draft_len), and ``features`` the target features of the tokens it
+    has not consumed yet. A preempted request loses all of that and is prefilled again from its prompt and
+    output (its cached prefix, if still cached, excepted).
     """
 
     request_id: str
@@ -148,6 +152,9 @@ class Request:
     draft_len: int = 0
     features: list[torch.Tensor] = field(default_factory=list)  # [C_i, F * H] per round not drafted on
     auto_width: int = 8  # budget "auto": drafted nodes chosen last time (sizes the next candidate tree)
+    cache_salt: str | None = None  # requests with different salts share no cached block
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks so far
+    cached_blocks: int = 0  # of its blocks, those already indexed in the prefix cache (or examined)
 
     @property
     def prefilling(self) -> bool:

@@ -1,5 +1,5 @@
-"""Who runs: the waiting queue, the running requests, their KV blocks, chunked prefill, preemption. No
-tensors.
+"""Who runs: the waiting queue, the running requests, their KV blocks, prefix-cache hits, chunked prefill,
+preemption. No tensors.
 
 A step is either a prefill step (chunks of waiting or half-prefilled prompts, at most
 ``max_num_batched_tokens`` padded tokens) or a round (every decoding request). With requests decoding, a
@@ -9,7 +9,9 @@ engine measured a few rounds' time to prefill). Blocks are taken as requests gro
 prefill, a round's (the committed tokens, the tree's nodes and the drafter's block) before the round.
 When a running request cannot grow, the most recently admitted one is preempted (vLLM's recompute mode):
 its blocks are freed and it goes back to the front of the queue, to be prefilled again from its prompt and
-the tokens it already emitted.
+the tokens it already emitted. A request admitted takes its longest cached prefix of full blocks
+(``BlockManager.cached_prefix``: the target's keys/values and, drafting, the drafter's context) and
+prefills the rest; after each step the rows' newly final full blocks are indexed for later requests.
 """
 
 from __future__ import annotations
@@ -109,6 +111,8 @@ class Scheduler:
                 break
             if new:
                 r.prefill_ids = r.prompt_ids + r.output.token_ids[:-1]  # a preempted one: its output too
+                hit = self.blocks.cached_prefix(r, len(r.prefill_ids) - 1)  # the last token makes logits
+                r.computed = len(hit) * self.blocks.block_size
             remaining = len(r.prefill_ids) - r.computed
             if not chunks:
                 tokens = min(remaining, budget)
@@ -119,15 +123,18 @@ class Scheduler:
             else:
                 break
             need = self._prefill_tokens(r, r.computed + tokens)
-            reserve = self.blocks.watermark if new and self.decoding else 0
-            if not self.blocks.can_grow(r, need, reserve):
-                if new:
-                    r.prefill_ids = []
-                break
-            self.blocks.grow(r, need)
             if new:
+                reserve = self.blocks.watermark if self.decoding else 0
+                if not self.blocks.admit(r, hit, need, reserve):
+                    r.prefill_ids, r.computed = [], 0
+                    break
+                r.draft_len = r.computed if r.drafts else 0  # a hit holds the drafter's context too
+                if not r.output.token_ids:  # its first admission (a preempted one has output)
+                    r.stats.cached_tokens = r.computed
                 self.waiting.remove(r)
                 self.running.append(r)
+            elif not self.blocks.grow(r, need):
+                break
             chunks.append(Chunk(r, tokens))
             longest = max(longest, tokens)
         return chunks
@@ -144,6 +151,14 @@ class Scheduler:
                 if victim is r:
                     break
         return self.decoding
+
+    def cache_blocks(self, rows: list[Request]) -> None:
+        """After a step: index the rows' full blocks whose keys/values are now final for later requests
+        (the target's below the committed tokens or the prefilled prompt; a drafting row's up to where its
+        drafter has consumed the context as well)."""
+        for r in rows:
+            final = r.computed if r.prefilling else r.start
+            self.blocks.cache(r, min(final, r.draft_len) if r.drafts else final, r.drafts)
 
     def preempt(self, r: Request) -> None:
         """Free r's blocks and queue it first: its next prefill recomputes its prompt and output."""

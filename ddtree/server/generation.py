@@ -48,6 +48,7 @@ class Plan:
     method: str | None = None
     budget: int | None = None
     topk: int | None = None
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Piece:
     finish_reason: str | None = None
     logprobs: list[TokenInfo] = field(default_factory=list)
     stats: SpeculativeStats | None = None
+    cached_tokens: int = 0  # of the row's prompt, tokens the prefix cache held at admission
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,7 @@ class Generation:
             if want_logprobs
             else [],
             _stats(row.stats, row.rounds) if finish is not None else None,
+            row.stats.cached_tokens,
         )
         if finish is not None:
             self._close(row)

@@ -98,6 +98,16 @@ class Metrics:
             "Running requests preempted (their KV blocks freed, recomputed later) for lack of blocks",
             registry=r,
         )
+        # vLLM's names and units (tokens), so its dashboards' hit-rate panel reads ours
+        self.prefix_queries = Counter(
+            "ddtree_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache at admission",
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "ddtree_prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled)", registry=r
+        )
+        self._prefix_seen = (0, 0)  # the engine's totals the counters have counted
         self.step_rows = Histogram(
             "ddtree_step_rows",
             "Rows in one engine step's round (the running batch; the rows it admits start next step)",
@@ -184,6 +194,13 @@ class Metrics:
         totals[0] += len(lengths)
         totals[1] += sum(lengths)
         self.tau.labels(method).set(totals[1] / totals[0])
+
+    def record_prefix_cache(self, queried: int, hit: int) -> None:
+        """The engine's running totals of prompt tokens looked up and found (counters only go up)."""
+        seen_queried, seen_hit = self._prefix_seen
+        self.prefix_queries.inc(queried - seen_queried)
+        self.prefix_hits.inc(hit - seen_hit)
+        self._prefix_seen = (queried, hit)
 
     def record_auto(self, status) -> None:
         """The engine's budget-auto decision (``AutoStatus``), after each step."""

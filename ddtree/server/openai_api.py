@@ -71,9 +71,10 @@ async def create_completion(body: CompletionRequest, request: Request):
         max_tokens=body.max_tokens,
         n=n,
         prompts=_prompts(body.prompt),
+        cache_salt=body.cache_salt,
         **_speculative(body.speculative),
     )
-    answer = CompletionAnswer(_name(request), _include_usage(body), logprobs=body.logprobs is not None)
+    answer = CompletionAnswer(_name(request), _include_usage(body), body.logprobs is not None, n)
     return await _answer(request, plan, answer, bool(body.stream), start)
 
 
@@ -98,9 +99,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
         n=body.n or 1,
         messages=message_dicts(body.messages),
+        cache_salt=body.cache_salt,
         **_speculative(body.speculative),
     )
-    answer = ChatAnswer(_name(request), _include_usage(body), logprobs=bool(body.logprobs))
+    answer = ChatAnswer(_name(request), _include_usage(body), bool(body.logprobs), plan.n)
     return await _answer(request, plan, answer, bool(body.stream), start)
 
 
@@ -117,7 +119,7 @@ async def _answer(
     # Chat template and tokenizer run here, in the event loop's thread pool: never on the engine thread.
     rows_id = uuid.uuid4().hex  # its engine rows are "<rows_id>-<choice>"
     generation = await asyncio.to_thread(Generation, model, plan, metrics, rows_id)
-    options = {"method": plan.method, "budget": plan.budget, "topk": plan.topk}
+    options = {"method": plan.method, "budget": plan.budget, "topk": plan.topk, "cache_salt": plan.cache_salt}
     job = Job(generation.engine_rows(), generation.prompt_tokens, asyncio.get_running_loop(), **options)
     try:
         state.worker.submit(job)

@@ -78,6 +78,9 @@ class GenerationRequest(_Strict):
     repetition_penalty: float | None = Field(
         None, allow_inf_nan=False, description="vLLM's extension; only 1 is supported"
     )
+    cache_salt: NonEmptyStr | None = Field(
+        None, description="vLLM's extension: requests with different salts share no prefix-cache block"
+    )
     # Accepted and ignored (the server logs each name once): none of them changes the output.
     user: str | None = None
     store: bool | None = None
@@ -144,10 +147,15 @@ class ChatCompletionRequest(GenerationRequest):
 # -- responses ----------------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens read from the prefix cache instead of prefilled
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class SpeculativeStats(BaseModel):

@@ -25,6 +25,7 @@ from ddtree.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     DeltaMessage,
+    PromptTokensDetails,
     SpeculativeStats,
     TokenLogprob,
     TopLogprob,
@@ -65,13 +66,15 @@ def total_stats(stats: list[SpeculativeStats]) -> SpeculativeStats | None:
 class _Answer:
     prefix = "cmpl"
 
-    def __init__(self, model: str, include_usage: bool = False, logprobs: bool = False) -> None:
+    def __init__(self, model: str, include_usage: bool = False, logprobs: bool = False, n: int = 1) -> None:
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.include_usage = include_usage
         self.logprobs = logprobs
+        self.n = n  # choices per prompt: usage counts each prompt once, as its first choice
         self.prompt_tokens = 0
+        self.cached_tokens: dict[int, int] = {}  # choice index -> prompt tokens its row found cached
         self.choices: dict[int, _Choice] = {}
         self.thresholds: dict[str, float] = {}  # the engine's lossy acceptance thresholds, if any
 
@@ -83,6 +86,8 @@ class _Answer:
         choice.text += piece.text
         choice.tokens += piece.num_tokens
         choice.logprobs += piece.logprobs
+        if piece.index % self.n == 0:
+            self.cached_tokens[piece.index] = piece.cached_tokens
         if piece.finish_reason is not None:
             choice.finish_reason = piece.finish_reason
             choice.stats = piece.stats.model_copy(update=self.thresholds) if piece.stats else None
@@ -94,6 +99,7 @@ class _Answer:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=completion,
             total_tokens=self.prompt_tokens + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values())),
         )
 
     def stats(self) -> SpeculativeStats | None:

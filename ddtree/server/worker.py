@@ -69,11 +69,12 @@ class Job:
         method: str | None = None,
         budget: int | str | None = None,
         topk: int | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.rows = rows
         self.prompt_tokens = prompt_tokens
         self.loop = loop
-        self.options = {"method": method, "budget": budget, "topk": topk}
+        self.options = {"method": method, "budget": budget, "topk": topk, "cache_salt": cache_salt}
         self.items: asyncio.Queue[object] = asyncio.Queue()
         self.enqueued_at = time.perf_counter()
         self.live: set[str] = set()  # its request ids still in the engine (engine thread only)
@@ -222,7 +223,7 @@ class EngineWorker:
         pool = engine.kv_cache_summary()
         log.info(
             "KV cache: %d blocks of %d tokens, %d tokens (%.2f GiB, %s), %d bytes per token (%s); maximum "
-            "concurrency for max-model-len requests (%d tokens): %.1fx",
+            "concurrency for max-model-len requests (%d tokens): %.1fx; prefix caching %s",
             engine.blocks.num_blocks - 1,
             engine.blocks.block_size,
             pool["kv_cache_tokens"],
@@ -232,6 +233,7 @@ class EngineWorker:
             pool["kv_cache_layout"],
             engine.max_model_len,
             pool["max_concurrency"],
+            "on" if pool["prefix_caching"] else "off",
         )
         self._count()
         try:
@@ -354,6 +356,7 @@ class EngineWorker:
             self.metrics.kv_usage.set(used / max(used + free, 1))
             self.metrics.preemptions.inc(engine.num_preemptions - self._preemptions)
             self._preemptions = engine.num_preemptions
+            self.metrics.record_prefix_cache(engine.blocks.queried_tokens, engine.blocks.hit_tokens)
             self.metrics.record_auto(engine.auto.status)
 
 

@@ -442,3 +442,31 @@ def test_a_stop_string_found_on_the_api_side_aborts_the_row_in_the_engine_within
     last_delta = max(i for i, ids in enumerate(steps) if request_id in ids)
     assert at - (last_delta + 1) <= 1  # the abort came at most one step after the delta with the stop
     assert engine.num_running == 0
+
+
+def metric(text: str, name: str) -> float:
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics_and_salts_keep_tenants_apart(http):
+    """OpenAI's ``usage.prompt_tokens_details.cached_tokens`` and vLLM's token counters: a repeated prompt
+    of three blocks hits two (its last token is computed again); another ``cache_salt`` hits none."""
+    prompt = list(range(3, 3 + 48))  # 48 token ids: 3 blocks of 16
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+    before = http.get("/metrics").text
+    cached = []
+    for salt in (None, None, "tenant-b", "tenant-b"):
+        answer = http.post("/v1/completions", json=body | ({"cache_salt": salt} if salt else {})).json()
+        assert answer["usage"]["prompt_tokens"] == 48
+        cached.append(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached == [0, 32, 0, 32]
+    after = http.get("/metrics").text
+    queries = "ddtree_prefix_cache_queries_total"
+    assert metric(after, queries) - metric(before, queries) == 4 * 48
+    hits = "ddtree_prefix_cache_hits_total"
+    assert metric(after, hits) - metric(before, hits) == 2 * 32
+    chat = http.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "cache_salt": ""},
+    )
+    assert error_of(chat, 400)["param"] == "cache_salt"

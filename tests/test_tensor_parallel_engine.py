@@ -69,3 +69,18 @@ def test_seeded_samples_under_tensor_parallelism_do_not_depend_on_the_batch(shar
                 batched[delta.request_id] += delta.token_ids
     assert [batched[i] for i in ids] == solo
     assert all(len(t) == NEW for t in solo)
+
+
+def test_prefix_cache_hits_under_tensor_parallelism_equal_a_cold_process(single, sharded):
+    """Rank 0's block tables map cached blocks into every rank's pool shard alike: a hit is exact there."""
+    system = "You are a careful Python programmer. Write small, clear functions with docstrings. " * 3
+    prompts = [system + q for q in ("def fibonacci(n):", "def is_prime(n):", "def quicksort(xs):")]
+    options = {k: v for k, v in OPTIONS.items() if k != "dtype"}
+    cold = Engine(single.target, single.drafter, single.tokenizer, enable_prefix_caching=False, **options)
+    greedy = SamplingParams(max_new_tokens=NEW)
+    hits = sharded.blocks.hit_tokens
+    warm = [sharded.generate(prompts[0], greedy), *sharded.generate(prompts[1:], greedy)]
+    assert all(r.stats.cached_tokens >= 64 for r in warm[1:]) and sharded.blocks.hit_tokens > hits
+    reference = [cold.generate(p, greedy) for p in prompts]
+    assert [r.token_ids for r in warm] == [r.token_ids for r in reference]
+    assert [r.stats.acceptance_lengths for r in warm] == [r.stats.acceptance_lengths for r in reference]

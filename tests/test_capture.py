@@ -192,6 +192,20 @@ def test_compiled_rounds_never_recompile_and_match_eager(eager: Engine, compiled
     assert got == run(eager, specs)
 
 
+def test_compiled_rounds_after_prefix_cache_hits_match_a_cold_eager_engine(eager: Engine, compiled: Engine):
+    """Requests that share a prefix (hits mid-run, after their first owner finished) change no captured
+    shape: nothing recompiles, and the tokens are a cold eager engine's."""
+    system = "You are a careful Python programmer. Write small, clear functions with docstrings. " * 2
+    specs = [(system + p, sp, m, b) for p, sp, m, b in requests(new=24)]
+    cold = sibling(eager, max_batch_size=4, enable_prefix_caching=False)
+    hits = compiled.blocks.hit_tokens
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = run(compiled, specs)
+    full = len(compiled.encode(system)) // 16 * 16 - 16  # the system prompt's full blocks, at least
+    assert full >= 16 and compiled.blocks.hit_tokens - hits >= 3 * full  # two rows at a time: three hit
+    assert got == run(cold, specs)
+
+
 def test_stage_timing_is_opt_in(eager: Engine, monkeypatch):
     """Without profiling no stage is timed; with it the stages are marked by ``StageClock`` (CUDA events
     read after the round's sync), so in neither case does a stage boundary wait for the device: the only

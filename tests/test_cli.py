@@ -371,6 +371,19 @@ def test_generate_builds_a_one_row_engine_that_profiles_only_for_stats(model_dir
     assert quiet.max_batch_size == stats.max_batch_size == 1  # one request: one cache row, one batch shape
 
 
+def test_prefix_caching_is_on_unless_the_flag_turns_it_off(model_dirs):
+    from ddtree.cli import build_parser, engine_from_args
+
+    target_dir, drafter_dir = model_dirs
+    flags = ["serve", "--target", str(target_dir), "--drafter", str(drafter_dir)]
+    on, off = (
+        engine_from_args(build_parser().parse_args(flags + extra))
+        for extra in ([], ["--no-enable-prefix-caching"])
+    )
+    assert on.blocks.prefix_caching and not off.blocks.prefix_caching
+    assert on.kv_cache_summary()["prefix_caching"] and not off.kv_cache_summary()["prefix_caching"]
+
+
 @pytest.mark.parametrize(("flags", "expected"), [(["--threads", "1"], 1), ([], 2)])
 def test_threads_reach_torch_in_generate_and_omp_num_threads_is_kept_without_it(model_dirs, flags, expected):
     target_dir, drafter_dir = model_dirs

@@ -79,6 +79,23 @@ def test_a_poisson_rate_run_counts_failures_by_status(server, prompts_file, tmp_
     assert "400: 3" in (tmp_path / "results.md").read_text()
 
 
+def test_a_shared_prefix_is_served_from_the_prefix_cache_and_its_hit_rate_reported(server, tmp_path):
+    """Token-id prompts after a 32-id shared prefix (two blocks): after the warm-up request every request
+    finds both blocks cached, and the report says so."""
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("".join(json.dumps([7 + i, 8, 9 + i]) + "\n" for i in range(4)))
+    run = bench_serve("--base-url", server.url, "--concurrency", 1, "--num-requests", 4, "--max-tokens", 4,
+                      "--prompts", ids, "--shared-prefix-tokens", 32, "--out", tmp_path)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    (level,) = results["levels"]
+    assert [r["prompt_tokens"] for r in level["records"]] == [35] * 4
+    assert [r["cached_tokens"] for r in level["records"]] == [32] * 4
+    assert level["prefix_cache_hit_rate"] == pytest.approx(32 / 35)
+    assert results["config"]["shared_prefix_tokens"] == 32
+    assert "| 91% |" in (tmp_path / "results.md").read_text()
+
+
 def test_start_server_runs_its_own_server_and_stops_it(model_dirs, prompts_file, tmp_path):
     target, drafter = model_dirs
     run = bench_serve("--concurrency", 2, "--num-requests", 2, "--max-tokens", 4, "--prompts", prompts_file,
@@ -97,6 +114,7 @@ def test_start_server_runs_its_own_server_and_stops_it(model_dirs, prompts_file,
         (["--concurrency", "0"], "--concurrency must list values > 0"),
         (["--concurrency", "two"], "comma-separated list"),
         (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+        (["--shared-prefix-tokens", "-1"], "--shared-prefix-tokens must be >= 0"),
         (["--base-url", "localhost:1"], "--base-url must start with http://"),
         (["--base-url", "http://127.0.0.1:1"], "cannot reach the server"),
         (["--prompts", "/nonexistent.jsonl"], "does not exist"),

@@ -44,6 +44,7 @@ class RequestRecord:
     chunk_times: list[float] = field(default_factory=list)  # arrival of every chunk that carried text
     output_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, read from the server's prefix cache
     error: str | None = None  # the server's message, for a failure
 
     @property
@@ -60,6 +61,9 @@ def add_serve_bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=0,
                    help="requests per level (0: 4 x concurrency, at least 8; 32 per rate)")  # fmt: skip
     p.add_argument("--prompts", default="builtin", help="'builtin' (default) or a FILE.jsonl")
+    p.add_argument("--shared-prefix-tokens", type=int, default=0, metavar="N",
+                   help="start every prompt with the same text of about N tokens (a system prompt the "
+                   "clients share; the prefix cache's case). Default 0: none")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
     p.add_argument("--ignore-eos", action="store_true", help="every request generates --max-tokens")
@@ -78,7 +82,8 @@ def add_serve_bench_options(p: argparse.ArgumentParser) -> None:
 
 SERVE_EXAMPLES = """examples:
   ddtree bench serve --base-url http://127.0.0.1:8000 --concurrency 1,4,16
-  ddtree bench serve --concurrency 1,16 --max-tokens 128 --start-server --max-batch-size 16"""
+  ddtree bench serve --concurrency 1,16 --max-tokens 128 --start-server --max-batch-size 16
+  ddtree bench serve --concurrency 16 --shared-prefix-tokens 2000 --start-server --no-enable-prefix-caching"""
 
 
 def register_bench_serve(subparsers: argparse._SubParsersAction) -> None:
@@ -118,6 +123,8 @@ async def one_request(http: httpx.AsyncClient, body: dict) -> RequestRecord:
                     elif event.get("usage"):
                         record.output_tokens = event["usage"]["completion_tokens"]
                         record.prompt_tokens = event["usage"]["prompt_tokens"]
+                        details = event["usage"].get("prompt_tokens_details") or {}
+                        record.cached_tokens = details.get("cached_tokens") or 0
                     elif event.get("choices") and event["choices"][0].get("text"):
                         record.chunk_times.append(now)
                         if record.ttft is None:
@@ -186,11 +193,26 @@ def request_bodies(args: argparse.Namespace, model: str, prompts: list, count: i
     }
     if args.ignore_eos:
         base["ignore_eos"] = True
+    text_prefix, id_prefix = shared_prefixes(prompts, args.shared_prefix_tokens)
     out = []
     for i in range(count):
         p = prompts[i % len(prompts)]
-        out.append(base | {"prompt": p.text if p.text is not None else list(p.token_ids)})
+        prompt = text_prefix + p.text if p.text is not None else id_prefix + list(p.token_ids)
+        out.append(base | {"prompt": prompt})
     return out
+
+
+def shared_prefixes(prompts: list, tokens: int) -> tuple[str, list[int]]:
+    """About ``tokens`` tokens every prompt starts with, for text and for token-id prompts: the prompts'
+    own text (or ids) run together and cut, so it reads like the rest (3.4 characters a token: the
+    built-in tokenizer on code)."""
+    if not tokens:
+        return "", []
+    ids = [t for p in prompts if p.token_ids is not None for t in p.token_ids]
+    text = "\n".join(p.text for p in prompts if p.text is not None)
+    chars = int(tokens * 3.4)
+    ids = (ids * (tokens // max(len(ids), 1) + 1))[:tokens]
+    return (text * (chars // max(len(text), 1) + 1))[:chars] + "\n", ids
 
 
 # -- a server of our own ----------------------------------------------------------------------------------
@@ -254,6 +276,8 @@ def check_args(args: argparse.Namespace) -> None:
     for flag in ("num_requests", "warmup"):
         if getattr(args, flag) < 0:
             raise DDTreeError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    if args.shared_prefix_tokens < 0:
+        raise DDTreeError(f"--shared-prefix-tokens must be >= 0, got {args.shared_prefix_tokens}")
     if args.max_tokens < 1:
         raise DDTreeError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if not args.timeout > 0:
@@ -327,6 +351,7 @@ def run_serve_bench_command(args: argparse.Namespace) -> None:
             "model": model,
             "prompts": str(args.prompts),
             "max_tokens": args.max_tokens,
+            "shared_prefix_tokens": args.shared_prefix_tokens,
             "temperature": args.temperature,
             "ignore_eos": args.ignore_eos,
             "warmup": args.warmup,

@@ -34,6 +34,7 @@ def level_summary(records: list, seconds: float) -> dict:
     ]
     itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
     output_tokens = sum(r.output_tokens for r in ok)
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
     return {
         "completed": len(ok),
         "failed": dict(Counter(r.status for r in records if not r.ok)),
@@ -42,6 +43,9 @@ def level_summary(records: list, seconds: float) -> dict:
         "request_throughput": len(ok) / seconds if seconds > 0 else 0.0,
         "output_tokens": output_tokens,
         "output_tokens_per_s": output_tokens / seconds if seconds > 0 else 0.0,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": sum(r.cached_tokens for r in ok),
+        "prefix_cache_hit_rate": sum(r.cached_tokens for r in ok) / prompt_tokens if prompt_tokens else 0.0,
         "ttft_ms": _stats([r.ttft for r in ok if r.ttft is not None]),
         "tpot_ms": _stats(tpot),
         "itl_ms": _stats(itl),
@@ -59,6 +63,10 @@ def _ms(stats: dict | None, key: str) -> str:
     return "-" if stats is None else f"{stats[key]:.1f}"
 
 
+def _shared(tokens: int | None) -> str:
+    return f", each after a shared prefix of about {tokens} tokens" if tokens else ""
+
+
 def markdown(report: dict) -> str:
     config = report["config"]
     label = config["label"]
@@ -67,13 +75,14 @@ def markdown(report: dict) -> str:
     lines = [
         title,
         "",
-        f"Server: `{where}`, model `{config['model']}`; prompts: {config['prompts']}; "
+        f"Server: `{where}`, model `{config['model']}`; prompts: {config['prompts']}"
+        f"{_shared(config.get('shared_prefix_tokens'))}; "
         f"max_tokens {config['max_tokens']}, temperature {config['temperature']:g}"
         f"{', ignore_eos' if config['ignore_eos'] else ''}.",
         "",
-        "| level | requests ok | failed | req/s | output tok/s | TTFT mean / p50 / p90 / p99 (ms) "
-        "| TPOT mean / p50 / p90 / p99 (ms) | ITL mean / p50 / p90 / p99 (ms) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| level | requests ok | failed | req/s | output tok/s | prefix cache hits | TTFT mean / p50 / p90 / "
+        "p99 (ms) | TPOT mean / p50 / p90 / p99 (ms) | ITL mean / p50 / p90 / p99 (ms) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for level in report["levels"]:
         failed = ", ".join(f"{k}: {v}" for k, v in sorted(level["failed"].items())) or "0"
@@ -83,7 +92,8 @@ def markdown(report: dict) -> str:
         ]
         lines.append(
             f"| {_level_name(level)} | {level['completed']} | {failed} | {level['request_throughput']:.2f} "
-            f"| {level['output_tokens_per_s']:.1f} | {' | '.join(cells)} |"
+            f"| {level['output_tokens_per_s']:.1f} | {level.get('prefix_cache_hit_rate', 0.0):.0%} "
+            f"| {' | '.join(cells)} |"
         )
     errors = {k: v for level in report["levels"] for k, v in level["first_errors"].items()}
     if errors:

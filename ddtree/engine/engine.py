@@ -600,6 +600,8 @@ class Engine:
             zip(first, self.verifier.first_tokens(logits[first], [batch[i] for i in first]), strict=True)
         )
         seconds = self._now() - t0
+        for r in batch:
+            r.stats.prefill_seconds += seconds  # every chunk's step, not only the last one's
         self._token_seconds = moving(
             self._token_seconds, seconds / (len(chunks) * max(c.tokens for c in chunks))
         )
@@ -608,7 +610,6 @@ class Engine:
         for i in done:
             r = batch[i]
             r.start = r.computed
-            r.stats.prefill_seconds += seconds
             if i not in roots:  # resumed after a preemption: its output is already written
                 r.root = r.output.token_ids[-1]
                 continue

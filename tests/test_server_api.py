@@ -448,19 +448,31 @@ def metric(text: str, name: str) -> float:
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
 
 
-def test_prefix_cache_hits_show_in_usage_and_metrics_and_salts_keep_tenants_apart(http):
+def metrics_caught_up(http, engine: Engine, timeout: float = 10) -> str:
+    """/metrics once its prefix-cache counters hold the engine's totals (they follow each engine step)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = http.get("/metrics").text
+        totals = (engine.blocks.queried_tokens, engine.blocks.hit_tokens)
+        names = ("ddtree_prefix_cache_queries_total", "ddtree_prefix_cache_hits_total")
+        if tuple(metric(text, n) for n in names) == totals or time.monotonic() > deadline:
+            return text
+        time.sleep(0.02)
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics_and_salts_keep_tenants_apart(http, engine):
     """OpenAI's ``usage.prompt_tokens_details.cached_tokens`` and vLLM's token counters: a repeated prompt
     of three blocks hits two (its last token is computed again); another ``cache_salt`` hits none."""
     prompt = list(range(3, 3 + 48))  # 48 token ids: 3 blocks of 16
     body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
-    before = http.get("/metrics").text
+    before = metrics_caught_up(http, engine)
     cached = []
     for salt in (None, None, "tenant-b", "tenant-b"):
         answer = http.post("/v1/completions", json=body | ({"cache_salt": salt} if salt else {})).json()
         assert answer["usage"]["prompt_tokens"] == 48
         cached.append(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
     assert cached == [0, 32, 0, 32]
-    after = http.get("/metrics").text
+    after = metrics_caught_up(http, engine)
     queries = "ddtree_prefix_cache_queries_total"
     assert metric(after, queries) - metric(before, queries) == 4 * 48
     hits = "ddtree_prefix_cache_hits_total"

@@ -61,3 +61,18 @@ def test_the_test_extra_holds_only_what_tests_need():
 @pytest.mark.parametrize("module", ["httpx", "jinja2"])
 def test_the_check_sees_lazy_and_command_only_imports(module):
     assert module in imported_top_level_modules(ROOT / "ddtree")
+
+
+def test_torch_is_a_tested_range_and_only_the_install_commands_pin_it():
+    """``pip install ddtree`` must keep a user's own CUDA build of torch when it is in the tested range
+    (2.11, the lent H200 image's, through 2.13); the README's commands and CI pin the version the suite
+    runs on."""
+    from packaging.version import Version
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (torch,) = [Requirement(r) for r in project["dependencies"] if Requirement(r).name == "torch"]
+    assert not any(s.operator == "==" for s in torch.specifier), torch
+    assert all(Version(v) in torch.specifier for v in ("2.11.0", "2.12.1", "2.13.0"))
+    assert Version("2.10.0") not in torch.specifier and Version("2.14.0") not in torch.specifier
+    for path in ("README.md", ".ci/run"):
+        assert "torch==2.13.0" in (ROOT / path).read_text(), path

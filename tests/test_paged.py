@@ -57,6 +57,13 @@ def test_memory_sizes_read_like_vllm(text, expected):
     assert parse_size(text) == expected
 
 
+def test_a_kv_cache_memory_over_what_the_device_has_is_one_line(models):
+    """Tried: 100 GiB on a 24 GB machine built a lazily allocated 72.5 GiB pool and said nothing."""
+    free, _, _ = memory.available_memory(torch.device("cpu"))
+    with pytest.raises(DDTreeError, match="more than this device has"):
+        engine(models, kv_cache_memory=2 * free)
+
+
 @pytest.mark.parametrize("text", ["lots", "-1GiB", "0", "4 XB"])
 def test_a_memory_size_that_is_not_one_is_refused_in_one_line(text):
     with pytest.raises(DDTreeError, match="memory size") as info:

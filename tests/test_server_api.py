@@ -89,6 +89,7 @@ BAD_REQUESTS = [
     (C, COMPLETION | {"prompt": [[1], []]}, "prompt", None),
     (C, COMPLETION | {"prompt": [10_000]}, "prompt", None),
     (C, COMPLETION | {"prompt": "def " * 80}, "prompt", "context_length_exceeded"),
+    (C, COMPLETION | {"speculative": {"budget": 4096}}, "speculative.budget", "budget_exceeds_server_limit"),
     (C, COMPLETION | {"max_tokens": 100}, "max_tokens", "context_length_exceeded"),
     (C, COMPLETION | {"max_tokens": 100, "stream": True}, "max_tokens", "context_length_exceeded"),
     (C, COMPLETION | {"echo": True}, "echo", "unsupported_parameter"),

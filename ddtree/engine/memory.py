@@ -105,6 +105,12 @@ def plan_kv(
     ``--max-model-len auto`` does, with a warning."""
     if cache.kv_cache_memory is not None:
         source = f"--kv-cache-memory {gib(cache.kv_cache_memory)}"
+        free, _, what = available_memory(device)
+        if cache.kv_cache_memory > free:  # on a CPU it would be allocated lazily and fail at first use
+            raise DDTreeError(
+                f"--kv-cache-memory {gib(cache.kv_cache_memory)} is more than this device has: {what}; "
+                "lower it, or use --gpu-memory-utilization"
+            )
 
         def budget(length: int) -> int:
             return cache.kv_cache_memory

@@ -21,12 +21,17 @@ from ddtree.server.generation import COMPLETION_DEFAULT_MAX_TOKENS, Plan
 
 MAX_REQUEST_BYTES = 16 << 20  # a 128k-token prompt is about 0.5 MB of text; 1M token ids about 7 MB of JSON
 MAX_TOKENS_PER_REQUEST = 1 << 18  # n x prompts x max_tokens
+# A request's tree pads every row of its round to its node bucket: one client's budget of 4096 would make
+# each round of the whole batch verify 4,097 nodes a row. 256 is the largest budget the tests run compiled
+# (SGLang's and TokenSpeed's capture failures were above 8 and at rows x nodes > 128, peer-lessons.md).
+MAX_SPECULATIVE_BUDGET = 256
 
 
 @dataclass(frozen=True)
 class Limits:
     max_request_bytes: int = MAX_REQUEST_BYTES
     max_tokens_per_request: int = MAX_TOKENS_PER_REQUEST
+    max_speculative_budget: int = MAX_SPECULATIVE_BUDGET
 
 
 def too_large(limit: int) -> APIError:
@@ -87,6 +92,13 @@ def longest_token_chars(tokenizer) -> int | None:
 
 def check_plan(plan: Plan, context: int, token_chars: int | None, limits: Limits) -> None:
     """Raise the 400 for a request that cannot fit the context or asks for too much work."""
+    if isinstance(plan.budget, int) and plan.budget > limits.max_speculative_budget:
+        raise invalid(
+            f"speculative.budget {plan.budget} is over this server's limit of "
+            f"{limits.max_speculative_budget} tree nodes per round (--max-speculative-budget)",
+            "speculative.budget",
+            "budget_exceeds_server_limit",
+        )
     chat = plan.messages is not None
     if chat:
         chars = sum(len(m["content"]) for m in plan.messages)

@@ -107,6 +107,13 @@ def add_security_options(p: argparse.ArgumentParser) -> None:
         default=limits.MAX_TOKENS_PER_REQUEST,
         help="bound on n x prompts x max_tokens of one request",
     )
+    p.add_argument(
+        "--max-speculative-budget",
+        type=int,
+        default=limits.MAX_SPECULATIVE_BUDGET,
+        metavar="N",
+        help="largest speculative.budget a request may ask for (a tree pads its whole batch's round)",
+    )
 
 
 def bind(host: str, port: int, backlog: int = 2048) -> socket.socket:
@@ -202,7 +209,7 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
         raise DDTreeError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not args.request_timeout > 0 or not args.shutdown_timeout >= 0:
         raise DDTreeError("--request-timeout must be > 0 and --shutdown-timeout >= 0")
-    for flag in ("max_request_bytes", "max_tokens_per_request"):
+    for flag in ("max_request_bytes", "max_tokens_per_request", "max_speculative_budget"):
         if getattr(args, flag) < 1:
             raise DDTreeError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     keys = api_keys(args.api_key, os.environ)
@@ -242,7 +249,9 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
         api_keys=keys,
         metrics_api_keys=tuple(args.metrics_api_key or ()),
         allowed_origins=tuple(args.allowed_origins or ()),
-        limits=limits.Limits(args.max_request_bytes, args.max_tokens_per_request),
+        limits=limits.Limits(
+            args.max_request_bytes, args.max_tokens_per_request, args.max_speculative_budget
+        ),
         step_delay=step_delay,
     )
     app = create_app(load, config, on_load_failed=load_failed, on_engine_failed=engine_failed)

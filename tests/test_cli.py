@@ -1,8 +1,13 @@
-"""The ``ddtree`` command, run as a real process on real saved checkpoints and a real tokenizer."""
+"""The ``ddtree`` command on real saved checkpoints and a real tokenizer: in this process where a test is
+about parsing, dispatch and output (``cli``: ``ddtree.cli.main`` with its own stdin, stdout and stderr), and
+as a real process where the process itself is what is tested (``ddtree``: ``python -m``, the environment,
+what transformers prints)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -40,6 +45,34 @@ def ddtree(
     )
 
 
+def cli(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """``ddtree ARGS`` in this process: its exit status and what it printed, as ``ddtree`` returns them.
+    torch's thread count and transformers' verbosity, which the command sets, are put back."""
+    from transformers.utils import logging as hf_logging
+
+    from ddtree.cli import main
+
+    out, err, threads, verbosity = (
+        io.StringIO(),
+        io.StringIO(),
+        torch.get_num_threads(),
+        hf_logging.get_verbosity(),
+    )
+    code = 0
+    saved_stdin = sys.stdin
+    sys.stdin = io.StringIO(stdin or "")
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main([str(a) for a in args])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.stdin = saved_stdin
+        torch.set_num_threads(threads)
+        hf_logging.set_verbosity(verbosity)
+    return subprocess.CompletedProcess(["ddtree", *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
 def assert_one_line_error(run: subprocess.CompletedProcess, *fragments: str) -> None:
     assert run.returncode == 2 and run.stdout == "", run.stderr
     lines = run.stderr.strip().splitlines()
@@ -50,8 +83,8 @@ def assert_one_line_error(run: subprocess.CompletedProcess, *fragments: str) -> 
 def test_generate_streams_the_engines_greedy_text_and_prints_stats(model_dirs):
     target_dir, drafter_dir = model_dirs
     prompt = "def fib"
-    run = ddtree("generate", prompt, "--target", target_dir, "--drafter", drafter_dir, "--max-new-tokens", 20,
-                 "--budget", 16, "--stats")  # fmt: skip
+    run = cli("generate", prompt, "--target", target_dir, "--drafter", drafter_dir, "--max-new-tokens", 20,
+              "--budget", 16, "--stats")  # fmt: skip
     assert run.returncode == 0, run.stderr
     engine = Engine.from_pretrained(target_dir, drafter_dir, budget=16)
     expected = engine.generate(prompt, SamplingParams(max_new_tokens=20))
@@ -84,7 +117,7 @@ def test_sampled_generation_with_a_seed_repeats(model_dirs):
         "--budget",
         "16",
     )  # fmt: skip  (a seed repeats a sample with a fixed tree; auto's follow timing)
-    first, second = ddtree(*args), ddtree(*args)
+    first, second = cli(*args), cli(*args)
     assert first.returncode == 0, first.stderr
     assert first.stdout == second.stdout
 
@@ -108,7 +141,7 @@ def test_bad_input_gives_one_line_and_exit_code_2(model_dirs, args, message):
     base = ["generate", "def", "--target", target_dir, "--drafter", drafter_dir]
     if args[0] == "--target":
         base = ["generate", "def", "--drafter", drafter_dir]
-    run = ddtree(*base, *args)
+    run = cli(*base, *args)
     assert run.returncode == 2
     assert run.stdout == ""
     lines = run.stderr.strip().splitlines()
@@ -120,23 +153,23 @@ def test_drafter_for_another_target_is_refused(model_dirs, tmp_path):
     other = tiny_target(vocab=50)
     other.config.num_hidden_layers = 6  # a drafter trained on another (deeper) target's features
     tiny_drafter(other).save_pretrained(tmp_path)
-    run = ddtree("generate", "def", "--target", target_dir, "--drafter", tmp_path)
+    run = cli("generate", "def", "--target", target_dir, "--drafter", tmp_path)
     assert run.returncode == 2
     assert "6-layer target" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_not_a_drafter_directory_is_refused(model_dirs):
     target_dir, _ = model_dirs
-    run = ddtree("generate", "def", "--target", target_dir, "--drafter", target_dir)
+    run = cli("generate", "def", "--target", target_dir, "--drafter", target_dir)
     assert run.returncode == 2
     assert "not a DFlash checkpoint" in run.stderr
 
 
 def test_target_without_drafter_needs_method_ar(model_dirs):
     target_dir, _ = model_dirs
-    run = ddtree("generate", "def", "--target", target_dir)
+    run = cli("generate", "def", "--target", target_dir)
     assert run.returncode == 2 and "needs --drafter" in run.stderr
-    run = ddtree("generate", "def", "--target", target_dir, "--method", "ar", "--max-new-tokens", "5")
+    run = cli("generate", "def", "--target", target_dir, "--method", "ar", "--max-new-tokens", "5")
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("def")
 
@@ -192,10 +225,10 @@ def test_help_opens_with_whole_sentences_and_shows_defaults():
     assert run.returncode == 0
     description = run.stdout.split("\n\n")[1]
     assert "``" not in description and description.rstrip().endswith(".")
-    generate = ddtree("generate", "--help").stdout
+    generate = cli("generate", "--help").stdout
     assert "--budget BUDGET" in generate and "(default: 16)" in generate and "examples:" in generate
     assert "--draft-topk" in generate and "--topk" not in generate  # the old name works, unadvertised
-    drafter = ddtree("train", "drafter", "--help").stdout
+    drafter = cli("train", "drafter", "--help").stdout
     defaults = {"--gamma": "0.0", "--anchors": "16", "--sample-fraction": "0.5", "--mask-token-id": "-1",
                 "--target-layer-ids": "''", "--max-minutes": "0.0"}  # fmt: skip
     for flag, default in defaults.items():
@@ -254,7 +287,7 @@ def test_budget_defaults_to_auto_and_thresholds_to_lossless(command):
 )
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_bad_engine_flags_fail_in_one_line_before_loading(command, flags, fragments):
-    run = ddtree(command, *(["def"] if command == "generate" else ["--port", "0"]), *flags)
+    run = cli(command, *(["def"] if command == "generate" else ["--port", "0"]), *flags)
     assert_one_line_error(run, *fragments)
     assert "listening" not in run.stderr
 
@@ -263,23 +296,21 @@ def test_bad_engine_flags_fail_in_one_line_before_loading(command, flags, fragme
 @pytest.mark.parametrize("command", ["generate", "serve", "bench"])
 def test_cuda_on_a_machine_without_it_is_one_line(command, tmp_path):
     args = {"generate": ["def"], "serve": ["--port", "0"], "bench": ["--out", tmp_path]}[command]
-    assert_one_line_error(ddtree(command, *args, "--device", "cuda"), "CUDA is not available")
+    assert_one_line_error(cli(command, *args, "--device", "cuda"), "CUDA is not available")
 
 
 def test_prompt_from_stdin_or_a_file_matches_the_argument(model_dirs, tmp_path):
     target_dir, drafter_dir = model_dirs
     flags = ["--target", target_dir, "--drafter", drafter_dir, "--max-new-tokens", "8"]
     prompt = "def fib(n):\n    "
-    expected = ddtree("generate", prompt, *flags)
+    expected = cli("generate", prompt, *flags)
     assert expected.returncode == 0, expected.stderr
-    assert ddtree("generate", "-", *flags, stdin=prompt).stdout == expected.stdout
+    assert ddtree("generate", "-", *flags, stdin=prompt).stdout == expected.stdout  # a real pipe, once
     (tmp_path / "prompt.txt").write_text(prompt)
-    assert ddtree("generate", "--prompt-file", tmp_path / "prompt.txt", *flags).stdout == expected.stdout
-    assert_one_line_error(ddtree("generate", *flags), "give a PROMPT")
-    assert_one_line_error(
-        ddtree("generate", "x", "--prompt-file", tmp_path / "prompt.txt", *flags), "not both"
-    )
-    assert_one_line_error(ddtree("generate", "--prompt-file", tmp_path / "none.txt", *flags), "cannot read")
+    assert cli("generate", "--prompt-file", tmp_path / "prompt.txt", *flags).stdout == expected.stdout
+    assert_one_line_error(cli("generate", *flags), "give a PROMPT")
+    assert_one_line_error(cli("generate", "x", "--prompt-file", tmp_path / "prompt.txt", *flags), "not both")
+    assert_one_line_error(cli("generate", "--prompt-file", tmp_path / "none.txt", *flags), "cannot read")
 
 
 def test_a_hub_id_as_target_gets_a_download_hint(tmp_path):
@@ -300,9 +331,9 @@ def test_an_over_long_prompt_is_our_one_line_and_nothing_from_transformers(model
 
 def test_lossy_thresholds_reach_the_engine_and_its_stats(model_dirs):
     target_dir, drafter_dir = model_dirs
-    run = ddtree("generate", "def", "--target", target_dir, "--drafter", drafter_dir, "--max-new-tokens", "8",
-                 "--temperature", "1", "--seed", "0", "--speculative-accept-threshold-single", "0",
-                 "--speculative-accept-threshold-acc", "0.5", "--stats")  # fmt: skip
+    run = cli("generate", "def", "--target", target_dir, "--drafter", drafter_dir, "--max-new-tokens", "8",
+              "--temperature", "1", "--seed", "0", "--speculative-accept-threshold-single", "0",
+              "--speculative-accept-threshold-acc", "0.5", "--stats")  # fmt: skip
     assert run.returncode == 0, run.stderr
     stats = json.loads(run.stderr[run.stderr.index("{") :])
     assert stats["accept_threshold_single"] == 0.0 and stats["accept_threshold_acc"] == 0.5
@@ -326,7 +357,7 @@ def test_compile_flags_parse_for_generate_serve_and_bench():
     for command in (["generate", "x"], ["serve"], ["bench"]):
         plain = parser.parse_args(command)
         assert not plain.compile and plain.batch_buckets is None and plain.node_buckets is None
-    assert "--compile" in ddtree("serve", "--help").stdout
+    assert "--compile" in cli("serve", "--help").stdout
 
 
 @pytest.mark.parametrize(

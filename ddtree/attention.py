@@ -12,18 +12,76 @@
 
 Which columns a query sees is one rule for both (``tree_mask`` is its dense form): the row's committed
 columns ``[0, start)``, then, of the ``n`` columns from ``start`` on, those its tree block ``anc`` allows.
+
+On CUDA both need care to reach a fused kernel. SDPA's flash kernel takes no mask and its memory-efficient
+kernel (torch <= 2.13) no GQA, so a masked GQA call would run the math kernel (float32 scores, [B, heads,
+T, S]): ``sdpa_operands`` expands the KV heads instead. Flex's Triton kernels need their tiles to divide
+the block mask's (16-token key blocks, the pool's): ``flex_kernel_options`` picks them per shape.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from ddtree.errors import DDTreeError
 from ddtree.kv_cache import PagedKVCache
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
 FLEX_Q_BLOCK = 128  # FlexAttention's query tile; a tree of up to 128 nodes is one tile
+FLEX_MAX_BLOCK_N = 64  # the widest key step a flex kernel takes here (torch's own defaults reach 64-128)
+FLEX_MIN_TILE = 16  # tl.dot's smallest side: no kernel tile below it
+
+
+def flex_kernel_options(queries: int, heads: int, kv_heads: int, kv_block: int) -> dict[str, int | bool]:
+    """The Triton tiles that make CUDA's flex kernels compile over a block mask of ``FLEX_Q_BLOCK`` x
+    ``kv_block`` tiles, for ``queries`` query rows of ``heads`` heads over ``kv_heads``.
+
+    torch 2.13 refuses a kernel config unless the mask's tiles are multiples of the kernel's (``BLOCK_M``
+    divides the query tile, ``BLOCK_N`` the key tile; ``tests/test_flex_tiles.py`` cites the lines). Its
+    defaults take ``BLOCK_N`` 32-128, more than the pool's 16-token key tile, so: ``BLOCK_N`` is the key
+    tile's largest power-of-two divisor up to ``FLEX_MAX_BLOCK_N``. Under 128 queries with a power-of-two
+    GQA group torch picks its decode kernel, whose ``BLOCK_M`` (rows = a query x every head of its group)
+    would be ``next_pow2(queries x group)``: past the query tile for a 17-node tree at group 8, so it is
+    capped at the tile (the kernel then tiles the rows; it needs the group to divide ``BLOCK_M``). A group
+    wider than the tile goes to the main kernel, whose own ``BLOCK_M`` (16-128) always divides the tile."""
+    block_n = math.gcd(kv_block, FLEX_MAX_BLOCK_N)
+    if block_n < FLEX_MIN_TILE:
+        raise DDTreeError(
+            f"flex attention on CUDA needs a KV block size that is a multiple of 16, got {kv_block}"
+        )
+    options: dict[str, int | bool] = {"BLOCK_N": block_n}
+    group = heads // kv_heads
+    if queries < FLEX_Q_BLOCK and group & (group - 1) == 0:  # torch's rule for its decode kernel
+        if group > FLEX_Q_BLOCK:
+            options["FORCE_USE_FLEX_ATTENTION"] = True
+        else:
+            rows = 1 << (queries * group - 1).bit_length()  # next power of two
+            options["BLOCK_M"] = min(max(rows, FLEX_MIN_TILE), FLEX_Q_BLOCK)
+    return options
+
+
+def sdpa_operands(
+    keys: torch.Tensor,  # [B, kv_heads, S, D]
+    values: torch.Tensor,  # [B, kv_heads, S, Dv]
+    heads: int,
+    masked: bool,
+    device_type: str,
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Keys, values and ``enable_gqa`` for ``scaled_dot_product_attention``. On CUDA a mask rules out the
+    flash kernel and GQA (torch <= 2.13) the memory-efficient one, which leaves the math kernel and its
+    float32 scores: with a mask, the KV heads are expanded instead ([B, heads, S, D]: the KV bytes times
+    the group, far less than the scores) and the memory-efficient kernel takes the mask. Elsewhere (the
+    CPU's own kernels take both) and without a mask (flash takes GQA), nothing changes."""
+    group = heads // keys.shape[1]
+    if group == 1:
+        return keys, values, False
+    if not masked or device_type != "cuda":
+        return keys, values, True
+    return keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1), False
 
 
 def attend(
@@ -34,10 +92,22 @@ def attend(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Attention output [B, heads, T, D] through either backend (``mask``'s type says which)."""
-    gqa = keys.shape[1] != q.shape[1]
     if isinstance(mask, BlockMask):
-        return flex_attention(q, keys, values, block_mask=mask, scale=scale, enable_gqa=gqa)
+        return flex(q, keys, values, mask, scale)
+    keys, values, gqa = sdpa_operands(keys, values, q.shape[1], mask is not None, q.device.type)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def flex(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: BlockMask, scale: float | None):
+    """``flex_attention`` through ``mask``; on CUDA with the tiles its kernels compile with (on the CPU
+    torch's own choice, which compiles as it is)."""
+    options = None
+    if q.device.type == "cuda":
+        options = flex_kernel_options(q.shape[2], q.shape[1], keys.shape[1], mask.BLOCK_SIZE[1])
+    gqa = keys.shape[1] != q.shape[1]
+    return flex_attention(
+        q, keys, values, block_mask=mask, scale=scale, enable_gqa=gqa, kernel_options=options
+    )
 
 
 def fold_heads(mask: torch.Tensor | BlockMask | None, heads: int) -> torch.Tensor | BlockMask | None:
@@ -64,7 +134,7 @@ def attend_latent(
     b, heads, t, d = q.shape
     keys, values = latent[:, None], latent[:, None, :, :rank]  # [B, 1, S, rank + rope], [B, 1, S, rank]
     if isinstance(mask, BlockMask):
-        return flex_attention(q, keys, values, block_mask=mask, scale=scale, enable_gqa=True)
+        return flex(q, keys, values, mask, scale)
     folded = q.reshape(b, 1, heads * t, d)  # [B, 1, heads * T, rank + rope]
     out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
     return out.view(b, heads, t, rank)

@@ -21,6 +21,13 @@ through its rendezvous) every process runs the same command and the ranks other 
 (``run_torchrun_worker``). A spawned rank that dies is noticed by a watcher thread on rank 0, which tells
 the engine's owner (the server answers ``/ready`` 503 and exits non-zero); rank 0 dying closes the
 workers' sockets, and they exit.
+
+A call that raises on any rank in the middle of a step ends the engine: the other ranks may be waiting
+inside a collective that will never be joined, so the step can neither finish nor be retried. A worker
+that raises writes one line to the process group's store (``FAILURE_KEY``) and exits 1, which breaks rank
+0's collective; rank 0 (``StepChannel.abort``) names the rank at fault (that report, a rank that exited, or
+itself), kills the spawned ranks, and raises ``TensorParallelError`` now and at every later call. The
+environment variable ``FAIL_ENV`` (tests only) makes a rank raise when it reaches a given call.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import pickle
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -50,6 +58,10 @@ log = logging.getLogger("ddtree.tp")
 DATA_TIMEOUT = timedelta(minutes=10)  # a collective inside a step: a peer that stops answering is dead
 IDLE_TIMEOUT = timedelta(days=365)  # waiting for rank 0's next step: an idle server is not a failure
 STOP = "stop"  # the call that ends a worker's loop
+FAILURE_KEY = "ddtree/failed/{rank}"  # a worker's one-line reason, in the process group's store
+REPORT_WAIT = 2.0  # seconds rank 0 waits, after a collective broke, for the rank at fault to be known
+# (a worker reports before it exits, and its exit breaks the collective; the watcher needs milliseconds)
+FAIL_ENV = "DDTREE_TP_FAIL"  # tests only: "RANK:CALL" makes rank RANK raise when it reaches call CALL
 
 
 ALIGN = 16  # bytes: every tensor in a step's payload starts at a multiple of this
@@ -61,7 +73,27 @@ def padded(nbytes: int) -> int:
 
 
 class TensorParallelError(DDTreeError):
-    """A rank failed to start or died: the engine cannot run any more."""
+    """A rank failed to start, died or failed in a step: the engine cannot run any more."""
+
+
+def first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def injected_failure(rank: int, name: str) -> None:
+    """Tests only: raise where ``FAIL_ENV`` asks, as a rank that fails in the middle of a step would."""
+    if os.environ.get(FAIL_ENV) == f"{rank}:{name}":
+        raise RuntimeError(f"injected failure in {name}")
+
+
+def reported_failure(world_size: int) -> str | None:
+    """The first worker's reason in the process group's store (``FAILURE_KEY``), if any wrote one."""
+    store = dist.distributed_c10d._get_default_store()
+    for rank in range(1, world_size):
+        key = FAILURE_KEY.format(rank=rank)
+        if store.check([key]):
+            return store.get(key).decode()
+    return None
 
 
 @dataclass(frozen=True)
@@ -100,6 +132,7 @@ class StepChannel:
     stats: ChannelStats = field(default_factory=ChannelStats)
     ranks: RankSet | None = None  # rank 0 of spawned ranks: the processes and their watcher
     closed: bool = False  # the other ranks were told to stop: rank 0's shard alone must not run
+    failure: str | None = None  # a step failed on some rank (``abort``): the engine runs no more
     pending: list[Call] = field(default_factory=list)  # deferred calls, sent with the next message
     parts: list[torch.Tensor] = field(default_factory=list)  # their tensors' bytes (copies), in order
 
@@ -109,10 +142,29 @@ class StepChannel:
 
     def check(self) -> None:
         """Raise rather than wait on a collective that a closed engine's or a dead rank's group won't join."""
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
         if self.closed:
             raise TensorParallelError("the tensor-parallel engine was closed; its ranks are gone")
         if self.ranks is not None:
             self.ranks.check()
+
+    def abort(self, call: str, exc: BaseException) -> TensorParallelError:
+        """Rank 0: ``call`` raised ``exc`` after it was sent, so the other ranks may wait inside a collective
+        rank 0 will never join. Name the rank at fault (a worker's report, a spawned rank that exited, else
+        rank 0), log it in one line, end the spawned ranks, and fail every later call the same way."""
+        reason = None
+        deadline = time.monotonic() + (REPORT_WAIT if isinstance(exc, RuntimeError) else 0.0)
+        while reason is None:  # a broken collective: its cause is usually a peer, which says so shortly
+            reason = reported_failure(self.tp.world_size) or (self.ranks and self.ranks.failure)
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        self.failure = reason or f"tensor-parallel rank 0 failed in {call}: {first_line(exc)}"
+        log.error("%s", self.failure)
+        if self.ranks is not None:
+            self.ranks.fail(self.failure)
+        return TensorParallelError(self.failure)
 
     def defer(self, name: str, args: tuple) -> None:
         """Rank 0: queue ``name(*args)`` for the next message. Its tensors are copied now, so the caller
@@ -201,11 +253,17 @@ def replicated(method: Callable | None = None, *, deferred: bool = False) -> Cal
 
     def call(self, *args, **kwargs):
         channel = self.channel
-        if channel is not None and channel.leader:
-            args = signature.bind(self, *args, **kwargs).args[1:]  # keywords as positions: one header shape
-            kwargs = {}
-            (channel.defer if deferred else channel.send)(method.__name__, args)
-        return method(self, *args, **kwargs)
+        if channel is None or not channel.leader:
+            return method(self, *args, **kwargs)
+        args = signature.bind(self, *args, **kwargs).args[1:]  # keywords as positions: one header shape
+        (channel.defer if deferred else channel.send)(method.__name__, args)
+        try:
+            injected_failure(0, method.__name__)
+            return method(self, *args)
+        except DDTreeError:  # a refusal every rank makes alike (an option), or the engine already failed
+            raise
+        except Exception as exc:
+            raise channel.abort(method.__name__, exc) from None
 
     call.__name__, call.__doc__, call.__wrapped__ = method.__name__, method.__doc__, method
     REPLICATED.add(method.__name__)
@@ -231,7 +289,24 @@ def serve_steps(channel: StepChannel, make_runner: Callable[[tuple], object]) ->
                     return
                 if name not in REPLICATED:
                     raise TensorParallelError(f"rank {channel.tp.rank} got an unknown call {name!r}")
-                getattr(runner, name)(*args)
+                try:
+                    injected_failure(channel.tp.rank, name)
+                    getattr(runner, name)(*args)
+                except DDTreeError:  # a refusal rank 0 makes too, and reports
+                    raise
+                except Exception as exc:
+                    raise report_failure(channel.tp.rank, name, exc) from None
+
+
+def report_failure(rank: int, call: str, exc: BaseException) -> TensorParallelError:
+    """A worker whose call raised: its one-line reason, written to the store for rank 0 (which may be gone
+    already, its store with it: then there is nobody to tell)."""
+    reason = f"tensor-parallel rank {rank} failed in {call}: {first_line(exc)}"
+    try:
+        dist.distributed_c10d._get_default_store().set(FAILURE_KEY.format(rank=rank), reason)
+    except RuntimeError:
+        pass
+    return TensorParallelError(reason)
 
 
 # -- starting ranks ---------------------------------------------------------------------------------------
@@ -316,7 +391,7 @@ def spawned_rank_main(rank: int, world_size: int, init_method: str, spec: ShardS
         device = rank_device(torch.device(spec.device), rank)
         target = load_shard(spec, rank, world_size, device)
     except BaseException as exc:  # rank 0 reports it in one line
-        pipe.send(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        pipe.send(first_line(exc))
         sys.exit(1)
     pipe.send(None)
     pipe.close()
@@ -330,10 +405,13 @@ def serve_rank(target, rank: int, world_size: int, device: torch.device, init_me
     channel = connect(rank, world_size, device, init_method)
     try:
         serve_steps(channel, lambda args: ModelRunner.worker(target, channel, *args))
+    except TensorParallelError as exc:  # this rank failed in a step (reported to rank 0 too)
+        print(f"ddtree: {exc}", file=sys.stderr)
+        sys.exit(1)
     except DDTreeError:  # an option rank 0 refuses too (it reports it): nothing to add
         sys.exit(1)
     except RuntimeError as exc:  # rank 0 went away mid-collective
-        print(f"ddtree: tensor-parallel rank {rank}: {str(exc).splitlines()[0]}", file=sys.stderr)
+        print(f"ddtree: tensor-parallel rank {rank}: {first_line(exc)}", file=sys.stderr)
         sys.exit(1)
     dist.destroy_process_group()
 
@@ -360,6 +438,7 @@ class RankSet:
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
         self.failure: str | None = None
         self.closing = False
+        self.lock = threading.Lock()  # the first failure wins: the watcher's, or rank 0's abort
         self.callbacks: list[Callable[[str], None]] = []
         context = multiprocessing.get_context("spawn")
         self.pipes, self.processes = [], []
@@ -403,10 +482,30 @@ class RankSet:
         rank = sentinels[ready[0]]
         process = self.processes[rank - 1]
         process.join(1.0)  # reap it, for its exit code
-        self.failure = f"tensor-parallel rank {rank} exited (exit code {process.exitcode})"
-        log.error("%s", self.failure)
+        exited = f"tensor-parallel rank {rank} exited (exit code {process.exitcode})"
+        try:
+            reason = reported_failure(self.world_size) or exited
+        except RuntimeError:  # the group is being torn down
+            reason = exited
+        if self.record(reason):
+            log.error("%s", reason)
+
+    def record(self, reason: str) -> bool:
+        """The engine's failure, once: tell the callbacks. False if one was recorded already."""
+        with self.lock:
+            if self.failure is not None:
+                return False
+            self.failure = reason
         for callback in list(self.callbacks):
-            callback(self.failure)
+            callback(reason)
+        return True
+
+    def fail(self, reason: str) -> None:
+        """Rank 0 ends the engine after a failed step: the ranks may wait in a collective it will never
+        join, so they are killed, not told."""
+        self.closing = True  # their exits from here on are this failure, not another
+        self.record(reason)
+        self.close(0.0)
 
     def check(self) -> None:
         """Raise the recorded failure, rather than wait on a collective a dead rank will never join."""
@@ -478,7 +577,7 @@ def close_channel(channel: StepChannel) -> None:
     """Rank 0: end the other ranks' loops (unless one has died: then kill them), wait for spawned ranks to
     leave, and leave the process group (a later engine in this process may form a new one)."""
     ranks = channel.ranks
-    failed = ranks is not None and ranks.failure is not None
+    failed = channel.failure is not None or (ranks is not None and ranks.failure is not None)
     if ranks is not None:
         ranks.closing = True  # their exits from here on are no failure
     if not failed:

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from ddtree.engine.ranks import TensorParallelError
 from ddtree.errors import DDTreeError
 from ddtree.server.errors import APIError, ClientGone, error_body, invalid
 from ddtree.server.generation import Generation, Piece, RowDelta
@@ -60,6 +61,8 @@ async def job_items(
                 if isinstance(item.error, ShuttingDown):
                     message = "the server shut down before this request finished"
                     raise APIError(503, message, "service_unavailable", None, "shutting_down")
+                if isinstance(item.error, TensorParallelError):  # the server's fault, not the request's
+                    raise APIError(500, str(item.error), "server_error", None, "engine_failed")
                 raise item.error
             yield item
     finally:

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import torch
 
+from ddtree.engine.ranks import TensorParallelError
 from ddtree.server.generation import EngineRow, RowDelta, ServedModel, Started
 from ddtree.server.metrics import Metrics
 
@@ -299,6 +300,12 @@ class EngineWorker:
         start, rows = time.perf_counter(), engine.num_running
         try:
             deltas = engine.step()
+        except TensorParallelError as exc:  # a rank failed mid-step: the engine is gone (one line, no trace)
+            for job in {*self._rows.values()}:
+                self._finish(job, error=exc)
+            if self.state != "dead":  # the rank watcher may have said so first
+                self.fail(str(exc))
+            return
         except Exception as exc:  # the engine's own fault: nobody's rows can be trusted to go on
             log.exception("an engine step failed; failing the requests in it")
             for job in {*self._rows.values()}:

@@ -41,13 +41,13 @@ def flex_kernel_options(queries: int, heads: int, kv_heads: int, kv_block: int) 
     ``kv_block`` tiles, for ``queries`` query rows of ``heads`` heads over ``kv_heads``.
 
     torch 2.13 refuses a kernel config unless the mask's tiles are multiples of the kernel's (``BLOCK_M``
-    divides the query tile, ``BLOCK_N`` the key tile; ``tests/test_flex_tiles.py`` cites the lines). Its
-    defaults take ``BLOCK_N`` 32-128, more than the pool's 16-token key tile, so: ``BLOCK_N`` is the key
-    tile's largest power-of-two divisor up to ``FLEX_MAX_BLOCK_N``. Under 128 queries with a power-of-two
-    GQA group torch picks its decode kernel, whose ``BLOCK_M`` (rows = a query x every head of its group)
-    would be ``next_pow2(queries x group)``: past the query tile for a 17-node tree at group 8, so it is
-    capped at the tile (the kernel then tiles the rows; it needs the group to divide ``BLOCK_M``). A group
-    wider than the tile goes to the main kernel, whose own ``BLOCK_M`` (16-128) always divides the tile."""
+    divides the query tile, ``BLOCK_N`` the key tile; ``tests/test_cuda_attention_rules.py`` cites the lines).
+    Its defaults take ``BLOCK_N`` 32-128, more than the pool's 16-token key tile, so: ``BLOCK_N`` is the key
+    tile's largest power-of-two divisor up to ``FLEX_MAX_BLOCK_N``. Under 128 queries with a power-of-two GQA
+    group torch picks its decode kernel, whose ``BLOCK_M`` (rows = a query x every head of its group) would be
+    ``next_pow2(queries x group)``: past the query tile for a 17-node tree at group 8, so it is capped at the
+    tile (the kernel then tiles the rows; it needs the group to divide ``BLOCK_M``). A group wider than the
+    tile goes to the main kernel, whose own ``BLOCK_M`` (16-128) always divides the tile."""
     block_n = math.gcd(kv_block, FLEX_MAX_BLOCK_N)
     if block_n < FLEX_MIN_TILE:
         raise DDTreeError(

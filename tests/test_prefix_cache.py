@@ -199,3 +199,13 @@ def test_the_built_in_pair_drafts_after_a_hit_exactly_as_cold():
     for w, c in zip(results["warm"], results["cold"], strict=True):
         assert w.token_ids == c.token_ids
         assert w.stats.acceptance_lengths == c.stats.acceptance_lengths
+
+
+def test_reset_prefix_cache_makes_the_next_request_cold(models):
+    """vLLM's ``reset_prefix_cache``: what benchmarks call between configurations on the same prompts."""
+    e = engine(models)
+    e.generate(PROMPTS[0], GREEDY, method="ar")
+    assert e.blocks.num_cached > 0
+    e.reset_prefix_cache()
+    assert e.blocks.num_cached == 0 and e.generate(PROMPTS[0], GREEDY, method="ar").stats.cached_tokens == 0
+    assert_accounting(e)

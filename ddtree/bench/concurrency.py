@@ -30,6 +30,7 @@ def run_level(
     """One configuration at one level: ``max(2c, prompts)`` requests, c in flight, on
     ``pick_engine(engines, spec)``."""
     engine = pick_engine(engines, spec)
+    engine.reset_prefix_cache()  # no configuration starts with another's prompts cached
     total = max(2 * concurrency, len(prompt_ids))
     budget = spec.budget if spec.method == "ddtree" else None
     pending = deque(range(total))

@@ -131,6 +131,7 @@ def run_one(engines, spec: Spec, prompt_ids: list[int], params: SamplingParams, 
     collections only walk what the previous response left behind.)
     """
     engine = pick_engine(engines, spec)
+    engine.reset_prefix_cache()  # every configuration prefills the prompt cold, whatever ran it before
     gc.collect()
     reset_peak_memory(engine.device)
     gc.disable()

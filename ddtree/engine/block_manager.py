@@ -191,6 +191,13 @@ class BlockManager:
                 self._drafted.add(block)
         r.cached_blocks = max(r.cached_blocks, full)
 
+    def reset(self) -> None:
+        """Forget every cached block that nobody owns (they become free); owned blocks keep their keys."""
+        while self._cached:
+            block, _ = self._cached.popitem(last=False)
+            self._unindex(block)
+            heapq.heappush(self._free, block)
+
     def _unindex(self, block: int) -> None:
         key = self._key_of.pop(block)
         if self._block_of.get(key) == block:

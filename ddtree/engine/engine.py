@@ -435,6 +435,11 @@ class Engine:
         )
         return request_id
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prefixes no running request holds (vLLM's ``reset_prefix_cache``): the next
+        requests prefill cold, as when comparing configurations on the same prompts."""
+        self.blocks.reset()
+
     def abort(self, request_id: str) -> bool:
         """Drop a waiting or running request (its row is free for the next step); False if unknown.
 

@@ -72,7 +72,7 @@ def test_samples_under_tensor_parallelism_follow_the_target_distribution(tmp_pat
         budget=lossless.BUDGET,
         max_num_seqs=lossless.BATCH,
     ) as engine:
-        draws = lossless.draw(engine, "ddtree", params, lossless.N_FAST, seed=7_000)
+        draws = lossless.draw(engine, "ddtree", params, lossless.N_FAST, seed=7_000, batch=lossless.BATCH)
     chi2_p, g_p = lossless.fit_p_values(draws.counts, lossless.exact_law(target, params))
     print(f"TP {TP} ddtree T=1 n={lossless.N_FAST}: chi-square p={chi2_p:.3g} G-test p={g_p:.3g}")
     lossless.assert_tree_path_exercised(draws, "ddtree")

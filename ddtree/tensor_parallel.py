@@ -28,13 +28,22 @@ class TPGroup:
     group: dist.ProcessGroup | None = None  # None: torch.distributed's default (world) group
 
 
-def split_columns(linear: nn.Linear, start: int, stop: int) -> None:
-    """Keep output features [start, stop) (weight rows, bias entries): a column-parallel slice.
+def keep(param: nn.Parameter, index: tuple[slice, ...]) -> nn.Parameter:
+    """The part ``index`` of ``param`` as a new parameter that remembers where it came from.
 
-    Cloned, so the full weight is freed once the caller drops it."""
-    linear.weight = nn.Parameter(linear.weight.data[start:stop].clone(), linear.weight.requires_grad)
+    ``tp_slice`` indexes the full (unsharded) tensor of the model's own parameter shape; a loader that
+    reads only a rank's bytes reads exactly that part of the checkpoint. Cloned, so the full tensor is
+    freed once the caller drops it; a meta tensor stays meta (sharding before any weight is read)."""
+    kept = nn.Parameter(param.data[index].clone(), param.requires_grad)
+    kept.tp_slice = index + (slice(None),) * (param.dim() - len(index))
+    return kept
+
+
+def split_columns(linear: nn.Linear, start: int, stop: int) -> None:
+    """Keep output features [start, stop) (weight rows, bias entries): a column-parallel slice."""
+    linear.weight = keep(linear.weight, (slice(start, stop),))
     if linear.bias is not None:
-        linear.bias = nn.Parameter(linear.bias.data[start:stop].clone(), linear.bias.requires_grad)
+        linear.bias = keep(linear.bias, (slice(start, stop),))
     linear.out_features = stop - start
 
 
@@ -42,7 +51,7 @@ def split_rows(linear: nn.Linear, start: int, stop: int, rank: int) -> None:
     """Keep input features [start, stop): a row-parallel slice, whose output is a partial sum.
 
     The bias stays on rank 0 only: the all-reduce then adds it once."""
-    linear.weight = nn.Parameter(linear.weight.data[:, start:stop].clone(), linear.weight.requires_grad)
+    linear.weight = keep(linear.weight, (slice(None), slice(start, stop)))
     if linear.bias is not None and rank != 0:
         linear.bias = None
     linear.in_features = stop - start

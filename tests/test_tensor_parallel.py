@@ -194,6 +194,25 @@ def test_shards_keep_their_heads_slice_and_one_copy_of_each_bias():
         assert (a.o_proj.bias is not None, m.down_proj.bias is not None) == (rank == 0, rank == 0)
 
 
+def test_every_sharded_parameter_records_the_part_of_the_full_tensor_it_kept():
+    """``tp_slice`` is what a rank-by-rank loader reads from the checkpoint: it must index exactly the
+    kept values, and sharding a meta model (no weights read yet) must record the same slices."""
+    full = dict(small_target("llama").named_parameters())
+    for rank in range(WORLD):
+        model = small_target("llama")
+        shard_target(model, rank, WORLD)
+        with torch.device("meta"):
+            empty = small_target("llama")
+        shard_target(empty, rank, WORLD)
+        slices = {name: p.tp_slice for name, p in empty.named_parameters() if hasattr(p, "tp_slice")}
+        sharded = {name: p for name, p in model.named_parameters() if hasattr(p, "tp_slice")}
+        # per layer: 7 weights, the q/k/v and gate/up biases (o_proj's and down_proj's are whole or absent)
+        assert len(sharded) == 12 * model.config.num_hidden_layers
+        for name, param in sharded.items():
+            assert torch.equal(param, full[name][param.tp_slice]), name
+            assert slices[name] == param.tp_slice and empty.get_parameter(name).shape == param.shape, name
+
+
 @pytest.mark.parametrize(
     ("world", "message"),
     [

@@ -115,13 +115,8 @@ class StaticInputs:
         return buf.copy_(src, non_blocking=True)
 
     def host(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:
-        """A host array as a tensor to upload: on CUDA copied into pinned memory from torch's caching host
-        allocator (which keeps a block until the copies reading it have run), so the upload is
-        asynchronous; device tensors pass through."""
-        if isinstance(array, torch.Tensor):
-            return array
-        src = torch.from_numpy(np.ascontiguousarray(array))
-        return src.pin_memory() if self.device.type == "cuda" else src
+        """A host array as a tensor to copy from (pinned on CUDA, see ``staged``); device tensors pass."""
+        return array if isinstance(array, torch.Tensor) else staged(array, self.device)
 
     def load(self, persistent: bool, **arrays: np.ndarray | torch.Tensor) -> list[torch.Tensor]:
         """The arrays on the device, in order: refilled into their persistent buffers, or fresh tensors
@@ -132,7 +127,22 @@ class StaticInputs:
 
     def upload(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:
         """A fresh device tensor of ``array`` (asynchronous from pinned memory on CUDA)."""
-        return self.host(array).to(self.device, non_blocking=True)
+        return array if isinstance(array, torch.Tensor) else upload(array, self.device)
+
+
+def staged(array: np.ndarray | Sequence[int], device: torch.device) -> torch.Tensor:
+    """Host data as a tensor to upload to ``device``: on CUDA copied into pinned memory from torch's
+    caching host allocator (which keeps a block until the copies reading it have run), so the upload
+    that follows is asynchronous; on the CPU the array itself, shared."""
+    src = torch.from_numpy(np.ascontiguousarray(array))
+    return src.pin_memory() if device.type == "cuda" else src
+
+
+def upload(array: np.ndarray | Sequence[int], device: torch.device) -> torch.Tensor:
+    """Host data on ``device`` without a host sync: from pinned memory, non-blocking. Every upload of a
+    round goes through here (``tests/test_host_syncs.py`` counts any other as a blocking one)."""
+    src = staged(array, device)
+    return src if device.type == "cpu" else src.to(device, non_blocking=True)
 
 
 _compiled_shapes = 0  # shapes compile_forward has been asked for in this process, every engine's

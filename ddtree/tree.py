@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ddtree.capture import upload
 from ddtree.errors import DDTreeError
 
 
@@ -170,7 +171,7 @@ class TreeBatch:
     def valid(self) -> torch.Tensor:
         """[B, N] bool: real nodes (computed once; every stage of the round reads it)."""
         n = self.tokens.shape[1]
-        sizes = torch.from_numpy(self.sizes).to(self.tokens.device, non_blocking=True)
+        sizes = upload(self.sizes, self.tokens.device)
         return torch.arange(n, device=self.tokens.device)[None] < sizes[:, None]
 
     @property
@@ -192,7 +193,7 @@ class TreeBatch:
 
     def select(self, rows: list[int]) -> TreeBatch:
         """The trees of these rows (host indices), same width and depth bound."""
-        at = torch.tensor(rows, device=self.tokens.device)
+        at = upload(np.asarray(rows, dtype=np.int64), self.tokens.device)
         return TreeBatch(*(x[at] for x in self.tensors), self.sizes[rows], self.depth, self.branching)
 
     def children(self) -> torch.Tensor:
@@ -253,12 +254,12 @@ def build_tree_batch(vals: torch.Tensor, ids: torch.Tensor, roots: torch.Tensor,
         return TreeBatch.root_only(roots)
     # Branching allowed at each depth ([B, L]: a row's own cap, 0 past its depth), prepared on the host.
     allowed = np.where(np.arange(depth_max)[None] < spec.depths[:, None], spec.topks[:, None], 0)
-    allowed = torch.from_numpy(allowed).to(device)
+    allowed = upload(allowed, device)
     vals64 = vals.double()
     cost = torch.zeros(b, 1, dtype=torch.float64, device=device)  # -score; the root's is 0
     valid = torch.ones(b, 1, dtype=torch.bool, device=device)
     levels = []  # per depth: cost, valid, parent slot, token [B, W_d]
-    nan = torch.tensor(float("nan"), dtype=torch.float64, device=device)
+    nan = torch.full((), float("nan"), dtype=torch.float64, device=device)  # a fill: no upload
     for d in range(depth_max):
         p_d, r_d = _beam_pairs_on(width, k, cost.shape[1], device)  # [P_d] pairs whose parent slot exists
         cand = cost.index_select(1, p_d) - vals64[:, d].index_select(1, r_d)  # [B, P_d] = -(score + logp)
@@ -278,8 +279,8 @@ def build_tree_batch(vals: torch.Tensor, ids: torch.Tensor, roots: torch.Tensor,
     for (_, _, slot, _), width_prev in zip(levels[1:], widths, strict=False):
         parents.append(node_of[:, start : start + width_prev].gather(1, slot))
         start += width_prev
-    depth_of = torch.from_numpy(np.repeat(np.arange(1, depth_max + 1), widths)).to(device)  # [T]
-    padding = torch.arange(1, n, device=device)[None] >= torch.from_numpy(sizes).to(device)[:, None]
+    depth_of = upload(np.repeat(np.arange(1, depth_max + 1), widths), device)  # [T]
+    padding = torch.arange(1, n, device=device)[None] >= upload(sizes, device)[:, None]
     node_tokens = torch.cat([lv[3] for lv in levels], dim=1).gather(1, order).masked_fill(padding, 0)
     node_depths = torch.take(depth_of, order).masked_fill(padding, 0)
     node_parents = torch.cat(parents, dim=1).gather(1, order).masked_fill(padding, 0)
@@ -311,7 +312,7 @@ def _beam_pairs_on(width: int, k: int, slots: int, device: torch.device) -> tupl
     on the host (a boolean mask on the device would sync) and uploaded once per shape."""
     pp, pr = _beam_pairs(width, k)
     keep = pp < slots
-    return torch.from_numpy(pp[keep]).to(device), torch.from_numpy(pr[keep]).to(device)
+    return upload(pp[keep], device), upload(pr[keep], device)
 
 
 @dataclass

@@ -32,6 +32,7 @@ from ddtree.capture import (
     node_ladder,
     pick,
     tree_mask,
+    upload,
 )
 from ddtree.commit import pack_accepted
 from ddtree.drafter import DFlashDrafter
@@ -320,7 +321,7 @@ class ModelRunner:
         cols = np.where(positions < ends, positions, self.cache.scratch)  # padding writes the scratch
         span = self.span(int(ends.max()))
         ids_t, positions_t, cols_t, ends_t, tables_t = (
-            torch.from_numpy(x).to(device) for x in (ids, positions, cols, ends, tables)
+            upload(x, device) for x in (ids, positions, cols, ends, tables)
         )
         keys = torch.arange(span, device=device)  # [span]
         # Query i sees the cached columns and the chunk's up to itself; a padding query sees the whole
@@ -334,7 +335,7 @@ class ModelRunner:
             hidden, feats = self.forward(ids_t, positions_t, write, mask, feature_layers, absorbed=False)
         if self.channel is not None and not self.channel.leader:
             return None, None  # rank 0 alone reads the logits
-        last = torch.from_numpy(lengths - 1).to(device)
+        last = upload(lengths - 1, device)
         return self.lm_head(hidden[torch.arange(b, device=device), last]), feats  # [B, V], [B, P, F * H]
 
     def block_mask(

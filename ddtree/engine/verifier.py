@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ddtree.capture import pick
+from ddtree.capture import pick, upload
 from ddtree.commit import token_logprobs
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Request, StreamDelta
@@ -74,7 +74,7 @@ class Verifier:
             coins = torch.stack(
                 [torch.rand((), generator=batch[i].generator, device=device) for i in sampled]
             )  # [S]
-            at = torch.tensor(sampled, device=device)
+            at = upload(np.asarray(sampled, dtype=np.int64), device)
             tokens = tokens.index_copy(0, at, inverse_cdf(probs, coins))
         return tokens.tolist()
 
@@ -153,7 +153,7 @@ class Verifier:
             lengths=torch.zeros(b, dtype=torch.int64, device=device),
         )
         for group, part in parts:
-            at = torch.tensor(group, device=device)
+            at = upload(np.asarray(group, dtype=np.int64), device)
             for name in ("path", "tokens", "lengths"):
                 getattr(out, name).index_copy_(0, at, getattr(part, name))
         return out

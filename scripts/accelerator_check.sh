@@ -5,8 +5,8 @@
 #
 # Installs nothing: run it where the repository's environment is installed (an activated venv, or
 # .venv/ in the checkout, which it activates; with neither, PYTHONPATH=. and the machine's python). Steps,
-# each under its own `timeout` (steps 1-4 sized to end in under 8 minutes on one H200; steps 5-6 add at
-# most 3 more until a first run measures them):
+# each under its own `timeout` (steps 1-4 sized to end in under 8 minutes on one H200; steps 5-7 add at
+# most 5 more until a first run measures them):
 #   1. the lossless tests on CUDA (DDTREE_TEST_DEVICE=cuda): padding changes no output, 50+ compiled
 #      rounds never recompile and equal eager (greedy and seeded sampling), the G-test / chi-square on
 #      samples drawn through CUDA graphs, and at most two host reads in a round of 16 rows;
@@ -19,7 +19,10 @@
 #   5. flex attention compiled with ddtree's tiles at every real GQA group / head width (Qwen3, Qwen2.5,
 #      Llama, Mistral, MLA 576/512) and trees of 1-257 nodes, checked against dense SDPA (flex.jsonl);
 #   6. which SDPA op and kernels a masked call runs at real shapes, ddtree's against main's old call
-#      (enable_gqa with the mask), with peak memory (sdpa.jsonl).
+#      (enable_gqa with the mask), with peak memory (sdpa.jsonl);
+#   7. the profiling step at Qwen3-8B's shapes with the default memory flags: profiled peak, the pool it
+#      leaves, then a 40,000-token prompt beside 15 decoding rows without running out of memory
+#      (memory.jsonl).
 # Exit code: 0 when every step passed; 2 without CUDA; else the first failing step's code (3: the bench's
 # T = 0 check found a compiled or speculative output differing from plain decoding; 4: flex failed to
 # compile or run at some shape; 124: a timeout).
@@ -39,6 +42,7 @@ BENCH_TIMEOUT="${BENCH_TIMEOUT:-150}" # seconds for step 3
 COST_TIMEOUT="${COST_TIMEOUT:-90}"    # seconds for step 4
 FLEX_TIMEOUT="${FLEX_TIMEOUT:-150}"   # seconds for step 5 (each case is a line: a cut step keeps its cases)
 SDPA_TIMEOUT="${SDPA_TIMEOUT:-45}"    # seconds for step 6
+MEMORY_TIMEOUT="${MEMORY_TIMEOUT:-120}" # seconds for step 7
 # Node buckets: exactly the tree sizes the bench asks for (ar 1, budget B: B + 1, dflash: 17 with the
 # built-in block of 16), so the compiled engine captures 5 verify shapes instead of the 10 of the ladder.
 NODE_BUCKETS="${NODE_BUCKETS:-1,9,17,65,257}"
@@ -67,25 +71,25 @@ run_step() {
     fi
 }
 
-echo "accelerator_check: [1/6] lossless tests on CUDA (timeout ${TEST_TIMEOUT}s) -> $OUT_DIR/tests.log"
+echo "accelerator_check: [1/7] lossless tests on CUDA (timeout ${TEST_TIMEOUT}s) -> $OUT_DIR/tests.log"
 DDTREE_TEST_DEVICE=cuda run_step tests "$TEST_TIMEOUT" "$OUT_DIR/tests.log" \
     "$PYTHON" -m pytest -q -x -rP -p no:cacheprovider tests/test_host_syncs.py tests/test_capture.py \
     "tests/test_sampling_lossless.py::test_compiled_samples_follow_target_distribution"
 
-echo "accelerator_check: [2/6] syncs per round (timeout ${SYNC_TIMEOUT}s) -> $OUT_DIR/syncs.json"
+echo "accelerator_check: [2/7] syncs per round (timeout ${SYNC_TIMEOUT}s) -> $OUT_DIR/syncs.json"
 run_step syncs "$SYNC_TIMEOUT" "$OUT_DIR/syncs.json" "$PYTHON" scripts/device_round.py syncs --device cuda
 
-echo "accelerator_check: [3/6] bench, eager vs compiled (timeout ${BENCH_TIMEOUT}s) -> $OUT_DIR/bench.log"
+echo "accelerator_check: [3/7] bench, eager vs compiled (timeout ${BENCH_TIMEOUT}s) -> $OUT_DIR/bench.log"
 run_step bench "$BENCH_TIMEOUT" "$OUT_DIR/bench.log" \
     "$PYTHON" -m ddtree bench --device cuda --compile --node-buckets "$NODE_BUCKETS" \
     --methods ar,dflash,ddtree --budgets 8,16,64,256 --temperatures 0,1 --num-prompts 4 \
     --concurrency 1,16 --max-new-tokens 64 --repeats 1 --tree-vocab 0 --no-progress --out "$OUT_DIR"
 
-echo "accelerator_check: [4/6] verify cost curve, Qwen3-8B shapes (timeout ${COST_TIMEOUT}s) -> $OUT_DIR/verify_cost.jsonl"
+echo "accelerator_check: [4/7] verify cost curve, Qwen3-8B shapes (timeout ${COST_TIMEOUT}s) -> $OUT_DIR/verify_cost.jsonl"
 run_step verify-cost "$COST_TIMEOUT" "$OUT_DIR/verify_cost.jsonl" \
     "$PYTHON" scripts/device_round.py verify-cost --device cuda
 
-echo "accelerator_check: [5/6] flex at real head shapes (timeout ${FLEX_TIMEOUT}s) -> $OUT_DIR/flex.jsonl"
+echo "accelerator_check: [5/7] flex at real head shapes (timeout ${FLEX_TIMEOUT}s) -> $OUT_DIR/flex.jsonl"
 run_step flex "$FLEX_TIMEOUT" "$OUT_DIR/flex.jsonl" "$PYTHON" scripts/cuda_attention_check.py flex --device cuda
 if grep -q '"ok": false' "$OUT_DIR/flex.jsonl"; then
     echo "accelerator_check: flex FAILED at some shapes:" >&2
@@ -93,11 +97,14 @@ if grep -q '"ok": false' "$OUT_DIR/flex.jsonl"; then
     [[ $status -eq 0 ]] && status=4
 fi
 
-echo "accelerator_check: [6/6] SDPA kernels at real shapes (timeout ${SDPA_TIMEOUT}s) -> $OUT_DIR/sdpa.jsonl"
+echo "accelerator_check: [6/7] SDPA kernels at real shapes (timeout ${SDPA_TIMEOUT}s) -> $OUT_DIR/sdpa.jsonl"
 run_step sdpa "$SDPA_TIMEOUT" "$OUT_DIR/sdpa.jsonl" "$PYTHON" scripts/cuda_attention_check.py sdpa --device cuda
 
+echo "accelerator_check: [7/7] the profiling step, Qwen3-8B shapes (timeout ${MEMORY_TIMEOUT}s) -> $OUT_DIR/memory.jsonl"
+run_step memory "$MEMORY_TIMEOUT" "$OUT_DIR/memory.jsonl" "$PYTHON" scripts/device_round.py memory --device cuda
+
 echo "accelerator_check: done in $((SECONDS - started)) s, exit $status; results in $OUT_DIR:"
-for name in results.json results.md tests.log syncs.json bench.log verify_cost.jsonl flex.jsonl sdpa.jsonl; do
+for name in results.json results.md tests.log syncs.json bench.log verify_cost.jsonl flex.jsonl sdpa.jsonl memory.jsonl; do
     [[ -e "$OUT_DIR/$name" ]] && echo "  $OUT_DIR/$name"
 done
 exit "$status"

@@ -7,6 +7,10 @@ profiled round runs.
 128, vocabulary 151936) in bf16: milliseconds of the verify forward against tokens verified per row
 (1, 17, 65, 257) at batch 1 and 16, timed with CUDA events (median of 10) -- the cost curve that decides
 which budget pays on that chip. ``--layers`` / ``--hidden`` shrink the model for a dry run.
+``memory``: the same target with the default memory flags (``gpu_memory_utilization`` 0.9, a 40,960-token
+context, 16 rows, budget 64): the profiled peak of the largest step against the estimate, the pool it
+leaves, then a 40,000-token prompt prefilled in 2,048-token chunks beside 15 decoding rows -- the step the
+estimate alone would have run out of memory in (peak allocated, against the device's memory).
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ def count_syncs(device: str) -> dict:
     return out
 
 
-def verify_cost(device: str, layers: int, hidden: int, repeats: int) -> list[dict]:
+def qwen3_8b_shaped(device: str, layers: int, hidden: int, context: int = 4096):
+    """A random-weight target of Qwen3-8B's shapes (bf16 on CUDA, float32 on a CPU dry run)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
@@ -72,12 +77,49 @@ def verify_cost(device: str, layers: int, hidden: int, repeats: int) -> list[dic
         num_attention_heads=hidden // 128,
         num_key_value_heads=max(1, hidden // 512),
         head_dim=128,
-        max_position_embeddings=4096,
+        max_position_embeddings=context,
         tie_word_embeddings=False,
     )
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with torch.device(device):
-        target = Qwen3ForCausalLM(config).to(dtype).eval()
+        return Qwen3ForCausalLM(config).to(dtype).eval()
+
+
+def memory(device: str, layers: int, hidden: int, context: int) -> dict:
+    import logging
+
+    logging.basicConfig(level=logging.INFO)
+    target = qwen3_8b_shaped(device, layers, hidden, context)
+    t = time.perf_counter()
+    engine = Engine(target, None, method="ar", max_num_seqs=16, budget=64)
+    runner = engine.runner
+    out = {
+        "start_s": time.perf_counter() - t,
+        "profiled_gib": (runner.profiled_activation_bytes or 0) / 2**30,
+        "kv_blocks": runner.num_blocks,
+        "kv_gib": runner.kv_cache_bytes / 2**30,
+        "max_model_len": engine.max_model_len,
+    }
+    print(json.dumps(out), flush=True)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(15):
+        engine.add_request([5 + i] * 100, SamplingParams(max_new_tokens=64))
+    prompt = min(40_000, engine.max_model_len - 64)
+    engine.add_request([7] * prompt, SamplingParams(max_new_tokens=8))
+    t = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    out |= {"long_prompt_tokens": prompt, "run_s": time.perf_counter() - t}
+    if device == "cuda":
+        _, total = torch.cuda.mem_get_info()
+        out |= {"peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30, "device_gib": total / 2**30}
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def verify_cost(device: str, layers: int, hidden: int, repeats: int) -> list[dict]:
+    target = qwen3_8b_shaped(device, layers, hidden)
     engine = Engine(target, None, method="ar", max_num_seqs=16, max_model_len=2048, kv_cache_memory="8GiB")
     runner, rows = engine.runner, []
     for b in (1, 16):
@@ -108,14 +150,17 @@ def verify_cost(device: str, layers: int, hidden: int, repeats: int) -> list[dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["syncs", "verify-cost"])
+    parser.add_argument("what", choices=["syncs", "verify-cost", "memory"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--layers", type=int, default=36)
     parser.add_argument("--hidden", type=int, default=4096, help="a multiple of 512 (a dry run: 512)")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--context", type=int, default=40960, help="memory: the model's context")
     args = parser.parse_args()
     if args.what == "syncs":
         print(json.dumps({"syncs_per_round": count_syncs(args.device)}))
+    elif args.what == "memory":
+        memory(args.device, args.layers, args.hidden, args.context)
     else:
         verify_cost(args.device, args.layers, args.hidden, args.repeats)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ddtree import Engine, SamplingParams
-from ddtree.engine import memory
+from ddtree.engine import memory, model_runner
 from ddtree.errors import DDTreeError
 from ddtree.params import parse_size
 from tests.conftest import VOCAB, tiny_drafter, tiny_target
@@ -89,10 +89,44 @@ def test_the_pool_grows_with_the_memory_share(models, monkeypatch):
     """Without --kv-cache-memory the pool is the share of the available memory less the activations: each
     extra tenth of it buys a tenth of the memory in blocks."""
     monkeypatch.setattr(memory, "available_memory", lambda device: (200 << 20, 200 << 20, "200 MiB"))
+    monkeypatch.setattr(model_runner, "peak_bytes", lambda device, step: 30 << 20)  # the same each run
     sizes = {u: engine(models, gpu_memory_utilization=u, max_model_len=4096).runner for u in (0.5, 0.6)}
     assert sizes[0.6].num_blocks - 1 < 16 * sizes[0.6].width  # below the cap: the share decides
     extra = (sizes[0.6].num_blocks - sizes[0.5].num_blocks) * sizes[0.5].block_bytes
     assert abs(extra - 0.1 * (200 << 20)) <= sizes[0.5].block_bytes
+
+
+def test_where_activations_could_decide_the_pool_it_gets_what_the_profiled_step_leaves(models, monkeypatch):
+    """vLLM's profiling run: the largest step (prefill chunk, widest round) runs once and the pool gets the
+    share less its measured peak; with memory to spare nothing runs and nothing is reserved twice."""
+    runner = engine(models, max_model_len=4096).runner  # 24 GB here: the pool is capped long before
+    assert runner.profiled_activation_bytes is None
+    monkeypatch.setattr(memory, "available_memory", lambda device: (200 << 20, 200 << 20, "200 MiB"))
+    runner = engine(
+        models, max_model_len=4096, max_num_batched_tokens=1024, gpu_memory_utilization=0.5
+    ).runner
+    peak = runner.profiled_activation_bytes
+    assert peak is not None and peak > 0
+    assert runner.num_blocks - 1 == (int(0.5 * (200 << 20)) - peak) // runner.block_bytes
+
+
+def test_the_profiled_peak_sees_what_a_step_holds_at_once():
+    """``peak_bytes`` on this CPU (the peak resident set): a step that holds 256 MiB at once, then frees
+    it, peaks at about 256 MiB; one that holds 64 MiB four times over, one at a time, at about 64."""
+    mib = 1 << 20
+
+    def at_once() -> None:
+        parts = [torch.ones(64 * mib // 4) for _ in range(4)]  # touched: resident
+        del parts
+
+    def one_at_a_time() -> None:
+        for _ in range(4):
+            torch.ones(64 * mib // 4).sum()
+
+    big = memory.peak_bytes(torch.device("cpu"), at_once)
+    small = memory.peak_bytes(torch.device("cpu"), one_at_a_time)
+    assert 240 * mib <= big <= 300 * mib, big / mib
+    assert small <= 100 * mib, small / mib
 
 
 def test_a_budget_short_of_one_request_names_the_flags(models):

@@ -1,6 +1,9 @@
 """How many KV blocks the engine gets: ``kv_cache_memory`` bytes when given, otherwise the share
 ``gpu_memory_utilization`` of the device's memory (on a CPU, of the RAM available) minus what is already in
-use and an estimate of the largest step's activations (vLLM's rule; it profiles a forward instead).
+use and the largest step's activations: an upper estimate (``activation_bytes``), replaced by the peak
+measured running that step (``peak_bytes``, vLLM's profiling run) on an accelerator, where an estimate
+that missed a kernel's workspace means running out of memory mid-request, and on a CPU where the share
+decides the pool (a real-size largest step takes minutes on a few cores).
 
 The pool is never larger than every running request at ``max_model_len`` needs, and never smaller than one
 such request: a ``max_model_len`` the user set that does not fit is a one-line error naming the flags to
@@ -45,6 +48,32 @@ def available_memory(device: torch.device) -> tuple[int, int, str]:
     return free, free, f"{gib(free)} of RAM available"
 
 
+def peak_bytes(device: torch.device, step: Callable[[], object]) -> int | None:
+    """Bytes ``step()`` needs above what was in use before it, at its peak: CUDA's allocator statistics,
+    or on a CPU the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``; None
+    where Linux does not offer that)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak resident set starts again from the current one
+        before = _status_kib("VmRSS")
+        step()
+        return max(0, _status_kib("VmHWM") - before) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(dict(line.split(":", 1) for line in f)[field].split()[0])
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The user's KV cache settings (vLLM's names)."""
@@ -87,6 +116,9 @@ def activation_bytes(
 class KVPlan:
     num_blocks: int  # the pool's, the scratch block included
     max_model_len: int  # as given, or lowered to what the budget holds when it was not given
+    # The memory share (less the activations) decides the pool, not the cap of every request at
+    # max_model_len: only then can measured activations change it.
+    share_bound: bool = False
 
 
 def plan_kv(
@@ -149,4 +181,6 @@ def plan_kv(
                 "--gpu-memory-utilization, or lower --max-model-len"
             )
     blocks = min(budget(length) // block_bytes, max_num_seqs * request_blocks(length))
-    return KVPlan(blocks + 1, length)
+    return KVPlan(
+        blocks + 1, length, cache.kv_cache_memory is None and blocks < max_num_seqs * request_blocks(length)
+    )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import time
 
 import numpy as np
@@ -36,12 +37,14 @@ from ddtree.capture import (
 )
 from ddtree.commit import pack_accepted
 from ddtree.drafter import DFlashDrafter
-from ddtree.engine.memory import CacheConfig, KVPlan, activation_bytes, plan_kv
+from ddtree.engine.memory import CacheConfig, KVPlan, activation_bytes, gib, peak_bytes, plan_kv
 from ddtree.engine.ranks import StepChannel, close_channel, replicated
 from ddtree.engine.request import Request
 from ddtree.errors import DDTreeError
 from ddtree.forward import Float32Linear, TargetForward
 from ddtree.kv_cache import KVLayout, PagedKVCache
+
+log = logging.getLogger(__name__)
 
 
 def fast_low_precision(device: torch.device) -> torch.dtype:
@@ -140,6 +143,7 @@ class ModelRunner:
         per_token = [n * layout.elements_per_token() * dt.itemsize for n, layout, dt in layouts]
         self.kv_cache_bytes_per_token = per_token[0]  # the target's pool, all layers
         self.block_bytes = sum(per_token) * bs  # both pools: one allocation covers a request in each
+        self.profiled_activation_bytes: int | None = None  # the largest step's measured peak, when run
 
         def width(length: int) -> int:
             """Block-table entries of a request of ``length`` tokens: its context, then the widest of the
@@ -159,16 +163,28 @@ class ModelRunner:
             )
 
         if pool is None:
-            plan = plan_kv(
-                cache_config,
-                self.device,
-                self.block_bytes,
-                width,
-                activations,
-                max_num_seqs,
-                max_model_len,
-                explicit_len,
-            )
+            args = (cache_config, self.device, self.block_bytes, width)
+            plan = plan_kv(*args, activations, max_num_seqs, max_model_len, explicit_len)
+            # Measure the largest step and plan with its peak (vLLM's profiling run): always on an
+            # accelerator (milliseconds there), on a CPU only where the share decides the pool (minutes at
+            # real sizes on a few cores; where every request's context fits, no measurement changes the
+            # pool). Not under tensor parallelism: the other ranks would have to join its collectives
+            # before they exist.
+            measure = self.device.type != "cpu" or plan.share_bound
+            if measure and cache_config.kv_cache_memory is None and channel is None:
+                step = (max_num_batched_tokens, max_num_seqs, max_nodes, width(plan.max_model_len))
+                peak = self.profile_step(layouts[0], *step)
+                if peak is not None:
+                    log.info(
+                        "profiled the largest step (%d-token prefill, %d rows x %d nodes, %d columns): "
+                        "%s at its peak (estimated %s)",
+                        *step[:3],
+                        step[3] * bs,
+                        gib(peak),
+                        gib(activations(plan.max_model_len)),
+                    )
+                    self.profiled_activation_bytes = peak
+                    plan = plan_kv(*args, lambda length: peak, max_num_seqs, plan.max_model_len, explicit_len)
         else:
             plan = pool[0]
         self.num_blocks, self.max_model_len = plan.num_blocks, plan.max_model_len
@@ -354,6 +370,43 @@ class ModelRunner:
         if key not in self.block_masks:
             self.block_masks[key] = PagedBlockMask(cache, tables.shape[0], queries, self.device)
         return self.block_masks[key].update(tables, starts, tree)
+
+    def profile_step(self, layout: tuple, tokens: int, rows: int, nodes: int, width: int) -> int | None:
+        """Peak bytes of the largest steps this configuration allows (``memory.peak_bytes``): a prefill
+        chunk of ``tokens`` tokens ending at the last of ``width`` blocks, and a round of ``rows`` trees of
+        ``nodes`` nodes there with every node's float32 distribution sorted (what the sampling filters
+        hold). They run over a one-block pool every table entry points to: the shapes and kernels of a
+        full pool, without its bytes."""
+        num_layers, kv_layout, dtype = layout
+        device, bs = self.device, self.block_size
+        span = width * bs
+        cache = PagedKVCache(num_layers, 1, bs, width, kv_layout, dtype, device)
+        tables = torch.zeros(rows, width + 1, dtype=torch.int64, device=device)  # [B, W + 1], all block 0
+        keys = torch.arange(span, device=device)  # [span]
+        feature_layers = self.drafter.target_layer_ids if self.drafter is not None else None
+
+        def prefill() -> None:
+            positions = keys[max(span - tokens, 0) :][None]  # [1, P]
+            mask = (keys <= positions[:, :, None])[:, None]  # [1, 1, P, span]
+            write = cache.at(tables[:1], positions, span)
+            hidden, _ = self.forward(
+                torch.zeros_like(positions), positions, write, mask, feature_layers, False
+            )
+            self.lm_head(hidden[:, -1])
+
+        def round_() -> None:
+            positions = keys[max(span - nodes, 0) :][None].expand(rows, -1)  # [B, N]
+            starts = positions[:, 0]  # [B]
+            anc = torch.ones(rows, nodes, nodes, dtype=torch.bool, device=device).tril()  # [B, N, N] a chain
+            write = cache.at(tables, positions, span)
+            hidden, _ = self.forward(
+                torch.zeros_like(positions), positions, write, tree_mask(starts, anc, span)
+            )
+            torch.softmax(self.lm_head(hidden).float(), dim=-1).sort(dim=-1)  # [B, N, V] x 3
+
+        with torch.inference_mode():
+            peaks = [peak_bytes(device, step) for step in (prefill, round_)]
+        return None if None in peaks else max(peaks)
 
     @replicated
     def verify(

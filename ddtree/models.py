@@ -251,6 +251,8 @@ def load_target(
             model = AutoModelForCausalLM.from_pretrained(directory, config=hf_config, dtype=dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    except DDTreeError:  # already one line naming the cause (a shard that cannot split, a bad tensor)
+        raise
     except (OSError, ValueError, TypeError) as exc:
         raise DDTreeError(f"cannot load target from {directory}: {str(exc).splitlines()[0]}") from None
     model = model.to(device)

@@ -328,6 +328,24 @@ def test_tensor_parallel_shards_of_an_fp8_checkpoint_equal_the_dequantized_model
         assert_same(expected, shard)
 
 
+def test_an_fp8_checkpoint_decodes_the_same_tokens_under_tensor_parallelism(tmp_path):
+    """The whole path: rank 1 spawned, each rank dequantizing its own slices; greedy ``ddtree`` at TP 2
+    emits ``ar``'s tokens of one process on the same checkpoint."""
+    target = small_target("llama")
+    target.save_pretrained(tmp_path / "target")
+    moe_drafter(target).save_pretrained(tmp_path / "drafter")
+    write_quantized(tmp_path / "target", fp8_linear, FP8_CONFIG)
+    options = dict(dtype=torch.float32, max_model_len=64, max_num_seqs=2, kv_cache_memory="16MiB")
+    params = SamplingParams(max_new_tokens=NEW)
+    single = Engine.from_pretrained(tmp_path / "target", tmp_path / "drafter", **options)
+    expected = [r.token_ids for r in single.generate(PROMPTS, params, method="ar")]
+    assert all(len(set(e)) > 3 for e in expected)  # not one repeated token
+    with Engine.from_pretrained(
+        tmp_path / "target", tmp_path / "drafter", tensor_parallel_size=WORLD, **options
+    ) as sharded:
+        assert [r.token_ids for r in sharded.generate(PROMPTS, params, method="ddtree")] == expected
+
+
 def test_fp8_and_int4_slices_dequantize_as_the_whole_tensor_does():
     torch.manual_seed(0)
     weight = torch.randn(300, 200)

@@ -274,7 +274,12 @@ def _fuse(converter: WeightConverter, keys: dict[str, list[str]], target: str):
 
 @torch.no_grad()
 def materialize(
-    model: nn.Module, naming_model: nn.Module, directory: Path, scheme, dtype: torch.dtype, device
+    model: nn.Module,
+    naming_model: nn.Module,
+    directory: Path,
+    scheme: quantization.Scheme | None,
+    dtype: torch.dtype,
+    device: torch.device | str,
 ) -> LoadStats:
     """Read every meta parameter of ``model`` (its ``tp_slice``, or all of it) and every persistent
     buffer the checkpoint holds, in ``dtype``, from ``directory``; compute the non-persistent buffers
@@ -296,6 +301,7 @@ def materialize(
                 full = f"{names[id(module)]}.{name}".lstrip(".")
                 loaded[id(param)] = _load_parameter(checkpoint, sources, full, param, device)
             module._parameters[name] = loaded[id(param)]
+        computed = []
         for name, buffer in list(module._buffers.items()):
             full = f"{names[id(module)]}.{name}".lstrip(".")
             if full in sources:
@@ -303,27 +309,24 @@ def materialize(
                 module._buffers[name] = value.to(device)
             elif buffer is not None and buffer.is_meta:
                 module._buffers[name] = torch.empty_like(buffer, device=device)
-                naming_model._init_weights(module)  # transformers' own init of computed buffers
+                computed.append(name)
+        if computed:
+            naming_model._init_weights(module)  # transformers' own values (rotary inv_freq), as it loads
     return checkpoint.stats
 
 
-def _load_parameter(checkpoint, sources, full: str, param: nn.Parameter, device) -> nn.Parameter:
+def _load_parameter(
+    checkpoint: Checkpoint, sources: dict, full: str, param: nn.Parameter, device
+) -> nn.Parameter:
     """The meta ``param`` read from the checkpoint, in the dtype the model was built with for it (the
     load's dtype, or float32 where transformers keeps a module in float32: DeepSeek's router)."""
     if full not in sources:
         raise DDTreeError(f"the checkpoint has no tensor for the model's {full}")
-    source = sources[full]
     index = getattr(param, "tp_slice", None) or (slice(None),) * param.dim()
-    stored = source_shape(checkpoint, source)
-    full_shape = tuple(param.shape) if not hasattr(param, "tp_slice") else None
-    if full_shape is not None and stored != full_shape:
-        raise DDTreeError(
-            f"checkpoint tensor {full} has shape {list(stored)}, the model's {list(full_shape)}"
-        )
-    value = read_source(checkpoint, source, index, param.dtype)
+    value = read_source(checkpoint, sources[full], index, param.dtype)
     if value.shape != param.shape:
         raise DDTreeError(
-            f"checkpoint slice of {full} has shape {list(value.shape)}, the shard's {list(param.shape)}"
+            f"checkpoint tensor {full} gives shape {list(value.shape)}; the model's is {list(param.shape)}"
         )
     kept = nn.Parameter(value.to(device), param.requires_grad)
     if hasattr(param, "tp_slice"):

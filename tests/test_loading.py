@@ -136,14 +136,16 @@ def test_each_rank_reads_its_slices_and_the_replicated_tensors_only(dense, caplo
 
 
 def save_moe(kind: str, root: Path) -> Path:
+    """A tiny ``kind`` target saved in shards of 200 kB (``model.safetensors.index.json``)."""
     target = tiny_moe_target(kind, image_token_id=32)
-    target.save_pretrained(root / kind)
+    target.save_pretrained(root / kind, max_shard_size="200kB")
     return root / kind
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "kimi_k25", "glm4_moe"])
 def test_moe_and_mla_targets_load_slice_wise_exactly_as_from_pretrained(kind, tmp_path):
     directory = save_moe(kind, tmp_path)
+    assert (directory / "model.safetensors.index.json").is_file()
     whole, _ = load_target(directory)
     sliced, _ = load_target(directory, shard=(0, 1))
     assert_same(whole, sliced)

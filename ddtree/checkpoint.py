@@ -199,26 +199,28 @@ def source_shape(checkpoint: Checkpoint, source) -> tuple[int, ...]:
 
 
 def read_source(checkpoint: Checkpoint, source, index: Index, dtype: torch.dtype) -> torch.Tensor:
-    """``source[index]`` (contiguous slices, one per dimension), reading only the parts it covers."""
+    """``source[index]`` (contiguous slices, one per dimension), reading only the parts it covers, each
+    written into the result as it is read (peak memory: the result plus one stored tensor's slice)."""
     shape = source_shape(checkpoint, source)
     index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
     if isinstance(source, str):
         return checkpoint.read(source, index, dtype)
+    out = torch.empty(_lengths(index), dtype=dtype)
     if isinstance(source, Stack):
-        chosen = source.parts[index[0]]
-        parts = [read_source(checkpoint, p, index[1:], dtype) for p in chosen]
-        return torch.stack(parts) if parts else torch.empty(0, *_lengths(index[1:]), dtype=dtype)
-    pieces, offset = [], 0
-    lo, hi = index[source.dim].start, index[source.dim].stop
+        for i, part in enumerate(source.parts[index[0]]):
+            out[i] = read_source(checkpoint, part, index[1:], dtype)
+        return out
+    offset, lo, hi = 0, index[source.dim].start, index[source.dim].stop
     for part in source.parts:
         n = source_shape(checkpoint, part)[source.dim]
         start, stop = max(lo, offset) - offset, min(hi, offset + n) - offset
         if start < stop:
             sub = list(index)
             sub[source.dim] = slice(start, stop)
-            pieces.append(read_source(checkpoint, part, tuple(sub), dtype))
+            piece = read_source(checkpoint, part, tuple(sub), dtype)
+            out.narrow(source.dim, offset + start - lo, stop - start).copy_(piece)
         offset += n
-    return torch.cat(pieces, source.dim) if pieces else torch.empty(*_lengths(index), dtype=dtype)
+    return out
 
 
 def _lengths(index: Index) -> list[int]:

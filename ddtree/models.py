@@ -8,12 +8,21 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    GenerationConfig,
+)
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
+from ddtree import quantization
+from ddtree.checkpoint import materialize
 from ddtree.drafter import DFlashDrafter
 from ddtree.errors import DDTreeError
 from ddtree.params import DTYPE_CHOICES  # resolve_dtype takes vLLM's aliases too
+from ddtree.tensor_parallel import shard_target
 
 log = logging.getLogger(__name__)
 
@@ -201,12 +210,17 @@ def load_target(
     max_model_len: int | None = None,
     trust_remote_code: bool = False,
     tokenizer: bool = True,
+    shard: tuple[int, int] | None = None,
 ):
     """A causal LM of a type in SUPPORTED_MODEL_TYPES and its tokenizer (None when the directory has
     none, or ``tokenizer`` is False). ``dtype`` goes through resolve_dtype ("auto" included);
     ``max_model_len`` is the longest sequence the engine will run, which decides whether a sliding window
     is exact. The model is always transformers' own class (never a checkpoint's code: the engine's forward
-    runs its modules); ``trust_remote_code`` lets the tokenizer run the checkpoint's code."""
+    runs its modules); ``trust_remote_code`` lets the tokenizer run the checkpoint's code.
+
+    ``shard`` (rank, world size) loads one tensor-parallel rank's shard, reading only its slices
+    (``ddtree.checkpoint``); so does a quantized checkpoint at any size, dequantized at load. A float
+    checkpoint in one process goes through ``from_pretrained``."""
     directory = Path(directory)
     config = _read_config(directory, "target")
     model_type = config.get("model_type")
@@ -225,8 +239,11 @@ def load_target(
     check_target_attention(text_config, directory, max_model_len)
     stored = {k: config[k] for k in ("dtype", "torch_dtype") if config.get(k)}  # a wrapper's, else the text's
     dtype = resolve_dtype(dtype, text_config | stored, device)
+    scheme = quantization.scheme(config)
     try:
-        if hf_type == "kimi_k25":
+        if shard is not None or scheme is not None:
+            model = _load_slicewise(directory, config, hf_type, dtype, device, shard, scheme)
+        elif hf_type == "kimi_k25":
             model = text_backbone(AutoModelForImageTextToText.from_pretrained(directory, dtype=dtype))
         elif hf_type != model_type:
             fields = {k: v for k, v in config.items() if k != "model_type"}
@@ -234,10 +251,36 @@ def load_target(
             model = AutoModelForCausalLM.from_pretrained(directory, config=hf_config, dtype=dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    except DDTreeError:  # already one line naming the cause (a shard that cannot split, a bad tensor)
+        raise
     except (OSError, ValueError, TypeError) as exc:
         raise DDTreeError(f"cannot load target from {directory}: {str(exc).splitlines()[0]}") from None
     model = model.to(device)
     return model.eval(), load_tokenizer(directory, trust_remote_code) if tokenizer else None
+
+
+def _load_slicewise(directory: Path, config: dict, hf_type: str, dtype, device, shard, scheme):
+    """The target built on the meta device, sharded there (``shard``: rank, world size), then read slice
+    by slice into ``dtype`` (``ddtree.checkpoint.materialize``); the start-up log says what it read."""
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "quantization_config")}
+    if hf_type == "kimi_k25":
+        fields["text_config"] = {k: v for k, v in fields["text_config"].items() if k != "quantization_config"}
+    hf_config = AutoConfig.for_model(hf_type, **fields)
+    with torch.device("meta"):
+        if hf_type == "kimi_k25":
+            built = AutoModelForImageTextToText.from_config(hf_config, dtype=dtype)
+        else:
+            built = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    model = text_backbone(built) if hf_type == "kimi_k25" else built
+    if shard is not None and shard[1] > 1:
+        shard_target(model, *shard)
+    stats = materialize(model, built, directory, scheme, dtype, device)
+    if (directory / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(directory)
+    model.load_stats = stats
+    where = f"tensor-parallel rank {shard[0]} of {shard[1]}" if shard else "target"
+    log.info("%s: %s", where, stats.summary())
+    return model
 
 
 def load_tokenizer(directory: Path, trust_remote_code: bool = False):

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ddtree.errors import DDTreeError
-from ddtree.tensor_parallel import TPGroup, shard_target
+from ddtree.tensor_parallel import TPGroup
 
 log = logging.getLogger("ddtree.tp")
 
@@ -377,9 +377,13 @@ def load_shard(spec: ShardSpec, rank: int, world_size: int, device: torch.device
     from ddtree.models import load_target  # here: models imports transformers, which rank 0 has already
 
     target, _ = load_target(
-        spec.target_dir, device=device, dtype=spec.dtype, max_model_len=spec.max_model_len, tokenizer=False
+        spec.target_dir,
+        device=device,
+        dtype=spec.dtype,
+        max_model_len=spec.max_model_len,
+        tokenizer=False,
+        shard=(rank, world_size),
     )
-    shard_target(target, rank, world_size)
     return target
 
 
@@ -393,7 +397,7 @@ def spawned_rank_main(rank: int, world_size: int, init_method: str, spec: ShardS
     except BaseException as exc:  # rank 0 reports it in one line
         pipe.send(first_line(exc))
         sys.exit(1)
-    pipe.send(None)
+    pipe.send(("loaded", target.load_stats.summary()))
     pipe.close()
     serve_rank(target, rank, world_size, device, init_method)
 
@@ -466,7 +470,9 @@ class RankSet:
             except EOFError:  # it died without a word (killed, or a crash in its start-up)
                 process.join(5.0)
                 message = f"exited with code {process.exitcode}"
-            if message is not None:
+            if isinstance(message, tuple):  # ("loaded", what it read): the start-up log says it
+                log.info("tensor-parallel rank %d: %s", rank, message[1])
+            else:
                 self.close()
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed to load: {message}")
 
@@ -560,8 +566,9 @@ def start_tensor_parallel(
     ranks = RankSet(world_size, spec) if launched is None else None
     try:
         device = rank_device(device, 0 if launched is None else launched[2])
-        target, tokenizer = load_target(target_dir, device, dtype, max_model_len, trust_remote_code)
-        shard_target(target, 0, world_size)
+        target, tokenizer = load_target(
+            target_dir, device, dtype, max_model_len, trust_remote_code, shard=(0, world_size)
+        )
         if ranks is not None:
             ranks.wait_loaded()
         channel = connect(0, world_size, device, "env://" if ranks is None else ranks.init_method)

@@ -213,14 +213,18 @@ def draw(engine: Engine, method: str, params: SamplingParams, samples: int, seed
 
     def spy(self, rows, trees, hidden):
         accepted = accept(self, rows, trees, hidden)
-        for i, r in enumerate(rows):
-            if not r.params.greedy and r.request_id in counted and trees.sizes[i] > 1:
-                parents = trees.row(i).parents.tolist()
+        watched = [i for i, r in enumerate(rows) if not r.params.greedy and r.request_id in counted]
+        if not watched:
+            return accepted
+        parents, paths, lengths = (
+            x[watched].tolist() for x in (trees.parents, accepted.path, accepted.lengths)
+        )
+        for i, row_parents, path, length in zip(watched, parents, paths, lengths, strict=True):
+            if trees.sizes[i] > 1:
                 first_child = {}  # in pop order a node's first child is its most probable one
-                for x, p in enumerate(parents):
+                for x, p in enumerate(row_parents[: trees.sizes[i]]):
                     first_child.setdefault(p, x)
-                path = accepted.path[i, : int(accepted.lengths[i])].tolist()
-                draws.side_branch_rounds += any(first_child[parents[x]] != x for x in path[1:])
+                draws.side_branch_rounds += any(first_child[row_parents[x]] != x for x in path[1:length])
         return accepted
 
     companions = itertools.cycle(

@@ -102,11 +102,14 @@ class Scheduler:
         chunks: list[Chunk] = []
         longest = 0
         budget = self.max_num_batched_tokens
-        if self.decoding and self.decode_chunk is not None:
+        decoding = bool(self.decoding)
+        if decoding and self.decode_chunk is not None:
             budget = min(budget, self.decode_chunk)
         candidates = [r for r in self.running if r.prefilling]
-        for r in itertools.chain(candidates, list(self.waiting)):
-            new = r not in candidates
+        # The waiting requests past max_num_seqs cannot be admitted: no need to copy the whole queue.
+        room = max(self.max_num_seqs - len(self.running), 0)
+        for k, r in enumerate(itertools.chain(candidates, list(itertools.islice(self.waiting, room + 1)))):
+            new = k >= len(candidates)
             if new and len(self.running) >= self.max_num_seqs:
                 break
             if new:
@@ -124,7 +127,7 @@ class Scheduler:
                 break
             need = self._prefill_tokens(r, r.computed + tokens)
             if new:
-                reserve = self.blocks.watermark if self.decoding else 0
+                reserve = self.blocks.watermark if decoding else 0
                 if not self.blocks.admit(r, hit, need, reserve):
                     r.prefill_ids, r.computed = [], 0
                     break

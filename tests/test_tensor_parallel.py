@@ -26,8 +26,6 @@ from transformers import (
     Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
 )
 
 from ddtree.errors import DDTreeError
@@ -48,10 +46,10 @@ TIMEOUT = 90  # seconds for both ranks, start-up included; a hung collective fai
 
 
 def small_target(arch: str) -> nn.Module:
-    """The same 2-layer float32 target in every process (GQA 4/2, head_dim 32, vocab 1000; the MLA and
-    GLM-4 ones: ``tiny_moe_target``'s 3 layers, 8 routed experts, top-2), its biases random: HF
-    initialises them to zero, which would hide a bias sliced or summed wrong."""
-    if arch in MOE_ARCHS and arch != "qwen3_moe":
+    """The same 2-layer float32 target in every process (GQA 4/2, head_dim 32, vocab 1000; the MoE ones:
+    ``tiny_moe_target``'s 3 layers, 8 routed experts, top-2), its biases random: HF initialises them to
+    zero, which would hide a bias sliced or summed wrong."""
+    if arch in MOE_ARCHS:
         return random_biases(tiny_moe_target(arch, vocab=1000))
     torch.manual_seed(0)
     fields = dict(
@@ -70,9 +68,6 @@ def small_target(arch: str) -> nn.Module:
     )
     if arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**fields))
-    elif arch == "qwen3_moe":  # layer 0 dense, layer 1 of 8 experts
-        moe = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0])
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**fields, **moe))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**fields))
     else:

@@ -70,8 +70,9 @@ class TargetForward:
     """``decoder(ids, positions, KV blocks/columns, mask) -> final hidden states (+ drafter features)``.
 
     With ``tp`` (a target sharded by ``ddtree.tensor_parallel.shard_target``) it runs this rank's heads
-    and MLP slice, and sums the ranks' partial ``o_proj`` and MLP outputs (Megatron's two all-reduces a
-    layer), so every rank carries the same residual stream and final hidden states."""
+    and MLP slice (MoE: its routed experts and its slice of the shared ones), and sums the ranks' partial
+    ``o_proj`` and MLP outputs (Megatron's two all-reduces a layer), so every rank carries the same
+    residual stream and final hidden states."""
 
     def __init__(self, target, tp: TPGroup | None = None) -> None:
         decoder = target.get_decoder()

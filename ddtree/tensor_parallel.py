@@ -218,6 +218,8 @@ def shard_target(target, rank: int, world_size: int) -> None:
     """
     if not 0 <= rank < world_size:
         raise DDTreeError(f"tensor-parallel rank {rank} is outside a world of size {world_size}")
+    if any(hasattr(p, "tp_slice") for p in target.parameters()):  # its tp_slice would index a slice
+        raise DDTreeError("this target is already sharded: shard_target slices a whole model once")
     config = target.config
     layers = target.get_decoder().layers
     for i, layer in enumerate(layers):  # every check before any layer changes: no half-sharded target

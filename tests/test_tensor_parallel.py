@@ -296,6 +296,13 @@ def test_experts_and_sizes_that_do_not_split_evenly_are_refused_in_one_line(chan
     assert not any(hasattr(p, "tp_slice") for p in target.parameters())
 
 
+def test_a_target_is_sharded_once():
+    target = deepseek_v3()
+    shard_target(target, 0, WORLD)
+    with pytest.raises(DDTreeError, match="already sharded"):
+        shard_target(target, 0, WORLD)
+
+
 def test_a_moe_layer_of_other_parts_is_refused_in_one_line():
     """Qwen2-MoE gates its shared expert (``shared_expert_gate``): not a layout ``shard_target`` knows."""
     config = Qwen2MoeConfig(

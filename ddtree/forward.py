@@ -30,14 +30,9 @@ from torch.overrides import TorchFunctionMode
 
 from ddtree.attention import attend, attend_latent, fold_heads
 from ddtree.kv_cache import CacheWrite, KVLayout
-from ddtree.tensor_parallel import TPGroup
+from ddtree.tensor_parallel import TPGroup, is_mla
 
 Rope = tuple[torch.Tensor, torch.Tensor] | torch.Tensor  # HF's (cos, sin) [B, T, D] each; DeepSeek-V2's freqs
-
-
-def is_mla(attn) -> bool:
-    """Whether an HF attention module is multi-head latent attention (DeepSeek-V2/V3, Kimi K2)."""
-    return hasattr(attn, "kv_a_proj_with_mqa")
 
 
 def rotation(attn) -> Callable[[torch.Tensor, torch.Tensor, Rope], tuple[torch.Tensor, torch.Tensor]]:
@@ -75,30 +70,32 @@ class TargetForward:
     """``decoder(ids, positions, KV blocks/columns, mask) -> final hidden states (+ drafter features)``.
 
     With ``tp`` (a target sharded by ``ddtree.tensor_parallel.shard_target``) it runs this rank's heads
-    and MLP slice, and sums the ranks' partial ``o_proj`` and MLP outputs (Megatron's two all-reduces a
-    layer), so every rank carries the same residual stream and final hidden states."""
+    and MLP slice (MoE: its routed experts and its slice of the shared ones), and sums the ranks' partial
+    ``o_proj`` and MLP outputs (Megatron's two all-reduces a layer), so every rank carries the same
+    residual stream and final hidden states."""
 
     def __init__(self, target, tp: TPGroup | None = None) -> None:
-        config = target.config  # its attention is full over the context (ddtree.models checks it)
         decoder = target.get_decoder()
         self.embed = decoder.embed_tokens
         self.layers = decoder.layers
         self.norm = decoder.norm
         self.rotary = decoder.rotary_emb
         attn = self.layers[0].self_attn
-        world = 1 if tp is None else tp.world_size
-        self.num_heads = config.num_attention_heads // world  # this rank's heads: its KV cache's layout
         self.tp = tp if tp is not None and tp.world_size > 1 else None
         self.scaling = attn.scaling  # HF's: for DeepSeek's YaRN, with mscale(factor, mscale_all_dim)^2
         self.rotate = rotation(attn)
         self.mla = is_mla(attn)
+        # Head counts are the shard's (its weights' rows; target.config keeps the whole model's): they fix
+        # this rank's views and, for GQA, its KV cache's layout. MLA's latent is every rank's whole.
         if self.mla:
             self.rank, self.rope_dim = attn.kv_lora_rank, attn.qk_rope_head_dim
             self.nope_dim, self.v_dim = attn.qk_nope_head_dim, attn.v_head_dim
+            self.num_heads = attn.kv_b_proj.weight.shape[0] // (self.nope_dim + self.v_dim)
             self.layout = KVLayout.mla(self.rank + self.rope_dim)
         else:
             self.head_dim = attn.head_dim
-            self.num_kv_heads = config.num_key_value_heads // world
+            self.num_heads = attn.q_proj.weight.shape[0] // self.head_dim
+            self.num_kv_heads = attn.k_proj.weight.shape[0] // self.head_dim
             self.layout = KVLayout.gqa(self.num_kv_heads, self.head_dim)
 
     def gathered_bytes_per_column(self, elem: int, absorbed: bool = False) -> int:

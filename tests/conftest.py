@@ -24,6 +24,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from ddtree.drafter import DFlashDrafter, dflash_config
@@ -150,12 +152,15 @@ def deepseek_v3_fields(vocab: int = VOCAB, init: float = 0.3, layers: int = 3) -
 def tiny_moe_target(
     kind: str, vocab: int = VOCAB, seed: int = 0, init: float = 0.3, layers: int = 3, image_token_id: int = -2
 ):
-    """A target of ``kind`` (MOE_KINDS) whose greedy continuations vary; routers get a random selection
-    bias (DeepSeek's noaux_tc ``e_score_correction_bias``), so routing differs from the scores' top-k.
-    Kimi's image placeholder is ``image_token_id`` (negative: from the vocabulary's end; ``vocab``: none
-    the model can emit, where HF's wrapper would embed an emitted one as token 0)."""
+    """A target of ``kind`` (MOE_KINDS, or "qwen3_moe") whose greedy continuations vary; routers get a
+    random selection bias (DeepSeek's noaux_tc ``e_score_correction_bias``), so routing differs from the
+    scores' top-k. Kimi's image placeholder is ``image_token_id`` (negative: from the vocabulary's end;
+    ``vocab``: none the model can emit, where HF's wrapper would embed an emitted one as token 0)."""
     torch.manual_seed(seed)
     fields = deepseek_v3_fields(vocab, init, layers)
+    # GLM-4 MoE's and Qwen3-MoE's: tiny_target's GQA attention, DeepSeek's MoE sizes
+    moe = dict(num_hidden_layers=layers, moe_intermediate_size=32, num_experts_per_tok=2)
+    gqa = tiny_config_fields(vocab, init) | moe
     if kind == "deepseek_v3":
         target = DeepseekV3ForCausalLM(DeepseekV3Config(**fields))
     elif kind == "deepseek_v3_no_q_lora":
@@ -175,27 +180,19 @@ def tiny_moe_target(
         target = Kimi_K25ForConditionalGeneration(config)
     elif kind == "glm4_moe":
         config = Glm4MoeConfig(
-            **{k: fields[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")},
-            moe_intermediate_size=32,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
+            **gqa,
             partial_rotary_factor=0.5,
             use_qk_norm=True,
             attention_bias=True,
             n_routed_experts=8,
             n_shared_experts=1,
-            num_experts_per_tok=2,
             n_group=1,
             topk_group=1,
             first_k_dense_replace=1,
-            max_position_embeddings=256,
-            initializer_range=init,
-            bos_token_id=None,
-            eos_token_id=None,
-            pad_token_id=None,
         )
         target = Glm4MoeForCausalLM(config)
+    elif kind == "qwen3_moe":  # no shared experts, softmax routing; layer 0 dense too
+        target = Qwen3MoeForCausalLM(Qwen3MoeConfig(**gqa, num_experts=8, mlp_only_layers=[0]))
     elif kind == "deepseek_v2":
         fields |= dict(q_lora_rank=None, n_group=1, topk_group=1, topk_method="greedy")
         fields["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}

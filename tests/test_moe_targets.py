@@ -21,7 +21,6 @@ from ddtree.forward import TargetForward
 from ddtree.kv_cache import PagedKVCache
 from ddtree.models import load_target, text_backbone
 from ddtree.params import SamplingParams
-from ddtree.tensor_parallel import shard_target
 from ddtree.training.drafter import (
     DrafterConfig,
     build_drafter,
@@ -334,12 +333,6 @@ def test_the_cli_runs_a_code_tokenizer_only_with_trust_remote_code(tmp_path, cap
     assert exit_info.value.code == 2 and len(err) == 1 and "--trust-remote-code" in err[0]
     main([*flags, "--trust-remote-code"])
     assert capsys.readouterr().out.startswith(TEXT)
-
-
-def test_tensor_parallelism_refuses_mla_in_one_line():
-    target = tiny_moe_target("deepseek_v3_no_q_lora", layers=1)  # no MoE layer: the attention decides
-    message = refusal(shard_target, target, 0, 2)
-    assert "DeepseekV3Attention" in message and "--tensor-parallel-size 1" in message
 
 
 def test_generate_stats_report_the_latent_pool(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """Tensor parallelism (Megatron-LM's split of the target): two gloo ranks on the CPU, each with half the
-heads, half the KV cache and half the MLP, match the unsharded forward's hidden states, drafter features,
-logits and greedy tokens; a target whose heads do not split evenly is refused in one line."""
+heads, half the KV cache (MLA: the whole latent) and half the MLP (MoE: half the routed experts, half the
+shared ones), match the unsharded forward's hidden states, drafter features, logits and greedy tokens; a
+target whose heads or experts do not split evenly is refused in one line."""
 
 from __future__ import annotations
 
@@ -15,24 +16,29 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
 )
 
 from ddtree.errors import DDTreeError
 from ddtree.forward import TargetForward
 from ddtree.kv_cache import PagedKVCache
 from ddtree.tensor_parallel import TPGroup, shard_target
-from tests.conftest import tiny_target
+from tests.conftest import deepseek_v3_fields, tiny_moe_target, tiny_target
 
 WORLD = 2
 ARCHS = ("qwen3", "qwen2", "llama")  # qwen2: q/k/v biases; llama (as built here): o_proj and MLP biases too
+# Qwen3-MoE with a dense layer 0; DeepSeek-V3 (MLA with and without q_lora, shared experts, a dense layer
+# 0); GLM-4 MoE (qkv biases, shared experts, a dense layer 0)
+MOE_ARCHS = ("qwen3_moe", "deepseek_v3", "deepseek_v3_no_q_lora", "glm4_moe")
 PROMPTS = [[5, 17, 230, 999, 4, 61, 8], [42, 3, 700]]  # right-padded into one prefill
 STEPS = 4  # greedy steps after the prefill
 FEATURE_LAYERS = [0, 1]
@@ -40,8 +46,11 @@ TIMEOUT = 90  # seconds for both ranks, start-up included; a hung collective fai
 
 
 def small_target(arch: str) -> nn.Module:
-    """The same 2-layer float32 target in every process (GQA 4/2, head_dim 32, vocab 1000), its biases
-    random: HF initialises them to zero, which would hide a bias sliced or summed wrong."""
+    """The same 2-layer float32 target in every process (GQA 4/2, head_dim 32, vocab 1000; the MoE ones:
+    ``tiny_moe_target``'s 3 layers, 8 routed experts, top-2), its biases random: HF initialises them to
+    zero, which would hide a bias sliced or summed wrong."""
+    if arch in MOE_ARCHS:
+        return random_biases(tiny_moe_target(arch, vocab=1000))
     torch.manual_seed(0)
     fields = dict(
         vocab_size=1000,
@@ -63,6 +72,10 @@ def small_target(arch: str) -> nn.Module:
         model = Qwen2ForCausalLM(Qwen2Config(**fields))
     else:
         model = LlamaForCausalLM(LlamaConfig(**fields, attention_bias=True, mlp_bias=True))
+    return random_biases(model)
+
+
+def random_biases(model: nn.Module) -> nn.Module:
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, nn.Linear) and module.bias is not None:
@@ -112,7 +125,8 @@ def greedy(model: nn.Module, forward: TargetForward) -> dict[str, torch.Tensor]:
         "features": features,  # [B, P, F * H]
         "logits": torch.stack(logits, 1),  # [B, STEPS + 1, V]
         "tokens": torch.stack(tokens, 1),  # [B, STEPS + 1]
-        "kv_heads": torch.tensor(forward.num_kv_heads),
+        "heads": torch.tensor(forward.num_heads),
+        "cache_bytes": torch.tensor(cache.nbytes()),
     }
 
 
@@ -128,7 +142,7 @@ def rank_main(rank: int, port: int, out: str) -> None:
     )
     try:
         results = {}
-        for arch in ARCHS:
+        for arch in ARCHS + MOE_ARCHS:
             model = small_target(arch)
             shard_target(model, rank, WORLD)
             results[arch] = greedy(model, TargetForward(model, TPGroup(rank, WORLD)))
@@ -163,13 +177,16 @@ def ranks(tmp_path_factory) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + MOE_ARCHS)
 def test_sharded_forward_matches_the_unsharded_one(ranks, arch):
     model = small_target(arch)
     expected = greedy(model, TargetForward(model))
+    mla = "deepseek" in arch  # the latent, shared by every head, is every rank's whole: one process's size
     for rank, results in enumerate(ranks):
         got = results[arch]
-        assert int(got["kv_heads"]) == model.config.num_key_value_heads // WORLD  # its cache: half the heads
+        assert int(got["heads"]) == model.config.num_attention_heads // WORLD
+        cache_bytes = int(expected["cache_bytes"]) // (1 if mla else WORLD)  # GQA: half the KV heads
+        assert int(got["cache_bytes"]) == cache_bytes
         for name in ("hidden", "features", "logits"):
             diff = (got[name] - expected[name]).abs().max().item()
             assert diff <= 1e-4, f"rank {rank}'s {name} differ from the unsharded forward's by {diff}"
@@ -194,23 +211,50 @@ def test_shards_keep_their_heads_slice_and_one_copy_of_each_bias():
         assert (a.o_proj.bias is not None, m.down_proj.bias is not None) == (rank == 0, rank == 0)
 
 
-def test_every_sharded_parameter_records_the_part_of_the_full_tensor_it_kept():
+@pytest.mark.parametrize("arch", ("llama", *MOE_ARCHS))
+def test_every_sharded_parameter_records_the_part_of_the_full_tensor_it_kept(arch):
     """``tp_slice`` is what a rank-by-rank loader reads from the checkpoint: it must index exactly the
     kept values, and sharding a meta model (no weights read yet) must record the same slices."""
-    full = dict(small_target("llama").named_parameters())
+    full = dict(small_target(arch).named_parameters())
     for rank in range(WORLD):
-        model = small_target("llama")
+        model = small_target(arch)
         shard_target(model, rank, WORLD)
         with torch.device("meta"):
-            empty = small_target("llama")
+            empty = small_target(arch)
         shard_target(empty, rank, WORLD)
         slices = {name: p.tp_slice for name, p in empty.named_parameters() if hasattr(p, "tp_slice")}
         sharded = {name: p for name, p in model.named_parameters() if hasattr(p, "tp_slice")}
-        # per layer: 7 weights, the q/k/v and gate/up biases (o_proj's and down_proj's are whole or absent)
-        assert len(sharded) == 12 * model.config.num_hidden_layers
+        assert slices.keys() == sharded.keys()
         for name, param in sharded.items():
             assert torch.equal(param, full[name][param.tp_slice]), name
             assert slices[name] == param.tp_slice and empty.get_parameter(name).shape == param.shape, name
+            assert len(param.tp_slice) == full[name].dim(), name
+        # every split is even: a rank keeps 1 / WORLD of what it slices, and the rest whole
+        assert sum(p.numel() for p in sharded.values()) * WORLD == sum(full[n].numel() for n in sharded)
+        for name, param in model.named_parameters():
+            if name not in sharded:
+                assert torch.equal(param, full[name]), name
+        if arch == "llama":  # per layer: 7 weights, the q/k/v and gate/up biases (o/down: whole or absent)
+            assert len(sharded) == 12 * model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_each_rank_holds_half_the_routed_experts(arch):
+    """Rank r keeps routed experts [4 r, 4 r + 4) of 8, whole; the router stays whole on every rank."""
+    full = small_target(arch)
+    routed = sum(p.numel() for name, p in full.named_parameters() if ".experts." in name)
+    total = sum(p.numel() for p in full.parameters())
+    for rank in range(WORLD):
+        model = small_target(arch)
+        shard_target(model, rank, WORLD)
+        held = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+        assert held * WORLD == routed
+        assert sum(p.numel() for p in model.parameters()) < total - routed // 2  # attention shrank too
+        for layer, whole in zip(model.model.layers[1:], full.model.layers[1:], strict=True):
+            experts = layer.mlp.experts
+            assert experts.num_experts == 4 and experts.gate_up_proj.shape[0] == 4
+            assert experts.down_proj.tp_slice == (slice(4 * rank, 4 * rank + 4), slice(None), slice(None))
+            assert torch.equal(layer.mlp.gate.weight, whole.mlp.gate.weight)
 
 
 @pytest.mark.parametrize(
@@ -228,19 +272,53 @@ def test_heads_that_do_not_split_evenly_are_refused_in_one_line(world, message):
     assert target.model.layers[0].self_attn.q_proj.out_features == 4 * 16  # left whole
 
 
-def test_a_mixture_of_experts_mlp_is_refused_in_one_line():
-    config = Qwen3MoeConfig(
+def deepseek_v3(**changes) -> nn.Module:
+    """``tiny_moe_target("deepseek_v3")``'s config with ``changes``, on the meta device (nothing to read)."""
+    with torch.device("meta"):
+        return DeepseekV3ForCausalLM(DeepseekV3Config(**deepseek_v3_fields() | changes))
+
+
+@pytest.mark.parametrize(
+    ("changes", "world", "message"),
+    [
+        ({"n_routed_experts": 6, "n_group": 1}, 4, r"the routed experts \(6\) divisible by 4"),
+        ({"moe_intermediate_size": 20}, 8, r"size of layer 1's shared experts \(20\) divisible by 8"),
+        ({"intermediate_size": 100}, 8, r"size of layer 0's MLP \(100\) divisible by 8"),
+        ({}, 3, r"num_attention_heads \(8\) divisible by 3"),
+    ],
+)
+def test_experts_and_sizes_that_do_not_split_evenly_are_refused_in_one_line(changes, world, message):
+    target = deepseek_v3(num_attention_heads=8, **changes)
+    with pytest.raises(DDTreeError, match=message) as info:
+        shard_target(target, 0, world)
+    assert "\n" not in str(info.value)
+    assert target.model.layers[1].mlp.experts.num_experts == target.config.n_routed_experts  # left whole
+    assert not any(hasattr(p, "tp_slice") for p in target.parameters())
+
+
+def test_a_target_is_sharded_once():
+    target = deepseek_v3()
+    shard_target(target, 0, WORLD)
+    with pytest.raises(DDTreeError, match="already sharded"):
+        shard_target(target, 0, WORLD)
+
+
+def test_a_moe_layer_of_other_parts_is_refused_in_one_line():
+    """Qwen2-MoE gates its shared expert (``shared_expert_gate``): not a layout ``shard_target`` knows."""
+    config = Qwen2MoeConfig(
         vocab_size=64,
         hidden_size=64,
         intermediate_size=128,
         moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
         num_experts=4,
         num_experts_per_tok=2,
         num_hidden_layers=1,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
     )
-    with pytest.raises(DDTreeError, match="dense MLPs") as info:
-        shard_target(Qwen3MoeForCausalLM(config), 0, WORLD)
+    with torch.device("meta"):
+        target = Qwen2MoeForCausalLM(config)
+    with pytest.raises(DDTreeError, match="layer 0's is a Qwen2MoeSparseMoeBlock") as info:
+        shard_target(target, 0, WORLD)
     assert "\n" not in str(info.value)

@@ -3,7 +3,8 @@
 Rank 0 runs the scheduler, the drafter, the trees, the LM head and every coin; rank 1 holds half of the
 target's heads, MLP and KV pool and runs the same target forwards. So greedy ``ddtree`` and ``dflash``
 must emit ``ar``'s tokens and one process's tokens; seeded samples must not depend on the batch; and the
-samples must follow the target's distribution (``test_tensor_parallel_lossless``).
+samples must follow the target's distribution (``test_tensor_parallel_lossless``; MoE and MLA targets:
+``test_tensor_parallel_moe``).
 """
 
 from __future__ import annotations
@@ -38,8 +39,13 @@ def sharded():
         yield engine
 
 
-def tokens(engine: Engine, method: str, params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
-    return [r.token_ids for r in engine.generate(PROMPTS, params, method=method)]
+def tokens(
+    engine: Engine,
+    method: str,
+    params: SamplingParams | list[SamplingParams],
+    prompts: list[str] = PROMPTS,
+) -> list[list[int]]:
+    return [r.token_ids for r in engine.generate(prompts, params, method=method)]
 
 
 def test_greedy_under_tensor_parallelism_equals_ar_and_one_process(single, sharded):

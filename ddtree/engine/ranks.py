@@ -3,12 +3,12 @@
 Rank 0 is the process the user started. It runs the whole engine: the scheduler, the drafter, the trees,
 the LM head, acceptance and every coin. Each other rank holds only its shard of the target
 (``ddtree.tensor_parallel.shard_target``) and its shard of the target's KV pool (its KV heads, the same
-blocks). Every call of the model runner that touches the target (prefill, the verify forward, packing the
-accepted KV, a timed forward, the start-up shapes) is first sent by rank 0 over a ``StepChannel``; the
-other ranks make the same call with the same shapes, and the forwards' all-reduces pair up. The drafter's
-pass and everything after the target's hidden states run on rank 0 alone: trees, verdicts and coins are
-decided there, as in one process (the hidden states differ from one process's only by the all-reduce's
-order of summation).
+blocks; MLA: the whole latent pool, which every head reads). Every call of the model runner that
+touches the target (prefill, the verify forward, packing the accepted KV, a timed forward, the start-up
+shapes) is first sent by rank 0 over a ``StepChannel``; the other ranks make the same call with the same
+shapes, and the forwards' all-reduces pair up. The drafter's pass and everything after the target's
+hidden states run on rank 0 alone: trees, verdicts and coins are decided there, as in one process (the
+hidden states differ from one process's only by the all-reduce's order of summation).
 
 A message is a header (the calls' names, their host values, the shapes and dtypes of their tensors),
 broadcast pickled over a gloo group, then one broadcast of all their tensors' bytes over the data group

@@ -44,12 +44,17 @@ Index = tuple[slice, ...]
 
 @dataclass
 class LoadStats:
-    """What a load read: bytes from the files, and how many tensors took each path."""
+    """What a load read: bytes from the files (per stored tensor, so a test or a bench can tell the
+    experts' from the attention's), and how many tensors took each path."""
 
     dtype: torch.dtype = torch.float32  # the load's
-    bytes_read: int = 0
+    read: Counter = field(default_factory=Counter)  # stored key -> bytes read from it
     checkpoint_bytes: int = 0  # the files' tensors, all of them: what a whole-model load reads
     paths: Counter = field(default_factory=Counter)  # float / fp8 / int4 -> tensors read that way
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(self.read.values())
 
     def summary(self) -> str:
         """The start-up log line: bytes read against the checkpoint's, and each kind of weight's path."""
@@ -124,7 +129,7 @@ class Checkpoint:
 
     def _take(self, key: str):
         """The stored tensor's lazy slice, whose reads this counts (``_Counted``)."""
-        return _Counted(self._slice(key), self.stats)
+        return _Counted(self._slice(key), key, self.stats)
 
     def keys(self) -> list[str]:
         return list(self.kinds)
@@ -151,14 +156,14 @@ class Checkpoint:
 
 
 class _Counted:
-    """A safetensors slice whose reads add their bytes to ``stats.bytes_read``."""
+    """A safetensors slice whose reads add their bytes to ``stats.read[key]``."""
 
-    def __init__(self, sliced, stats: LoadStats) -> None:
-        self.sliced, self.stats = sliced, stats
+    def __init__(self, sliced, key: str, stats: LoadStats) -> None:
+        self.sliced, self.key, self.stats = sliced, key, stats
 
     def __getitem__(self, index) -> torch.Tensor:
         tensor = self.sliced[index]
-        self.stats.bytes_read += tensor.numel() * tensor.element_size()
+        self.stats.read[self.key] += tensor.numel() * tensor.element_size()
         return tensor
 
 

@@ -1,12 +1,13 @@
 """Slice-wise loading (ddtree.checkpoint) and quantized checkpoints (ddtree.quantization).
 
-A rank's shard read slice by slice equals ``from_pretrained`` + ``shard_target`` exactly, reading about
-1 / world of the sliced tensors plus the replicated ones; MoE and MLA targets (Kimi's multimodal wrapper
-included) load exactly as ``from_pretrained`` does, and an expert range reads only those experts. FP8
-block-scaled (DeepSeek-V3 / Kimi K2) and pack-quantized INT4 (Kimi K2.5 / K2.6 routed experts)
-checkpoints, written here with the published tensor names and configs, dequantize within the format's
-error, exactly as a whole-tensor dequantization would, and decode HF's greedy tokens of the dequantized
-model."""
+A rank's shard read slice by slice equals ``from_pretrained`` + ``shard_target`` exactly, for dense, MoE
+and MLA targets (Kimi's multimodal wrapper included); under TP 2 a rank reads exactly what it keeps: half
+of the routed experts (its own range, whole experts), of the attention heads' and of the MLPs' weights,
+plus the replicated tensors. FP8 block-scaled (DeepSeek-V3 / Kimi K2) and pack-quantized INT4 (Kimi K2.5 /
+K2.6 routed experts) checkpoints, written here with the published tensor names and configs, dequantize
+within the format's error, exactly as a whole-tensor dequantization would (a rank's slices too), and
+decode HF's greedy tokens of the dequantized model. (TP 2 engines over quantized checkpoints:
+``tests/test_tensor_parallel_moe.py``.)"""
 
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import ddtree.models as models_module
+from ddtree.checkpoint import Checkpoint, plan_sources, read_source
 from ddtree.engine import Engine
 from ddtree.models import load_target
 from ddtree.params import SamplingParams
 from ddtree.quantization import dequantize_fp8, dequantize_int4, pack_int4, unpack_int4
-from ddtree.tensor_parallel import keep, shard_target
+from ddtree.tensor_parallel import shard_target
 from tests.conftest import moe_drafter, tiny_moe_target, tiny_target
 from tests.test_engine_greedy import hf_greedy
 from tests.test_loaders import refusal
@@ -77,20 +78,32 @@ def assert_same(a, b) -> None:
         assert tensor.dtype == sb[name].dtype and torch.equal(tensor, sb[name]), name
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
-def dense(request, tmp_path_factory) -> Path:
-    """A saved dense target: Llama with random biases (split and kept on rank 0), Qwen3 with tied
-    embeddings."""
+KINDS = ["llama", "qwen3", "deepseek_v3", "deepseek_v3_no_q_lora", "qwen3_moe", "glm4_moe", "kimi_k25"]
+HEADS = ("q_proj", "q_b_proj", "k_proj", "v_proj", "kv_b_proj", "o_proj")  # split by attention heads
+MLP = ("gate_proj", "up_proj", "down_proj")  # dense MLPs and shared experts: split by intermediate units
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def saved(request, tmp_path_factory) -> Path:
+    """A saved target: Llama with random biases (split and kept on rank 0), Qwen3 with tied embeddings,
+    and the MoE / MLA targets (8 routed experts; Kimi K2.5's multimodal wrapper) in shards of 200 kB
+    listed in ``model.safetensors.index.json``."""
     path = tmp_path_factory.mktemp(request.param)
-    (small_target("llama") if request.param == "llama" else tiny_target("qwen3")).save_pretrained(path)
+    if request.param == "llama":
+        small_target("llama").save_pretrained(path)
+    elif request.param == "qwen3":
+        tiny_target("qwen3").save_pretrained(path)
+    else:
+        tiny_moe_target(request.param, image_token_id=32).save_pretrained(path, max_shard_size="200kB")
+        assert (path / "model.safetensors.index.json").is_file()
     return path
 
 
-def test_a_slice_wise_shard_equals_from_pretrained_then_shard_target(dense):
+def test_a_slice_wise_shard_equals_from_pretrained_then_shard_target(saved):
     for rank in range(WORLD):
-        whole, _ = load_target(dense)
+        whole, _ = load_target(saved)
         shard_target(whole, rank, WORLD)
-        shard, _ = load_target(dense, shard=(rank, WORLD))
+        shard, _ = load_target(saved, shard=(rank, WORLD))
         assert_same(whole, shard)
         for name, param in whole.named_parameters():
             assert getattr(shard.get_parameter(name), "tp_slice", None) == getattr(param, "tp_slice", None)
@@ -98,94 +111,87 @@ def test_a_slice_wise_shard_equals_from_pretrained_then_shard_target(dense):
             assert shard.lm_head.weight is shard.model.embed_tokens.weight
 
 
-def kept_bytes(directory: Path, rank: int) -> tuple[int, int, int]:
-    """(bytes rank ``rank`` keeps, bytes of the tensors it slices, bytes of those it holds whole), from
-    the ``tp_slice`` of each parameter of a meta shard and the full model's shapes: the loader's bound,
-    whichever parameters ``shard_target`` slices."""
+def kept_bytes(directory: Path, rank: int) -> int:
+    """The bytes rank ``rank`` keeps, from the ``tp_slice`` of each parameter of a meta shard and the full
+    model's shapes (the checkpoints here are float32)."""
     full, _ = load_target(directory)
-    itemsize = 4  # the checkpoints here are float32
     with torch.device("meta"):
         meta = type(full)(full.config)
     shard_target(meta, rank, WORLD)
-    kept = sliced = whole = 0
-    for name, param in meta.named_parameters():  # a tied parameter once
-        size = full.get_parameter(name).numel() * itemsize
-        if hasattr(param, "tp_slice"):
-            sliced += size
-            kept += param.numel() * itemsize
-        else:
-            whole += size
-            kept += size
-    return kept, sliced, whole
+    return sum(
+        (param if hasattr(param, "tp_slice") else full.get_parameter(name)).numel() * 4
+        for name, param in meta.named_parameters()  # a tied parameter once
+    )
 
 
-def test_each_rank_reads_its_slices_and_the_replicated_tensors_only(dense, caplog):
+def stored_sizes(directory: Path) -> dict[str, int]:
+    """Each stored tensor's bytes."""
+    sizes = {}
+    for path in directory.glob("*.safetensors"):
+        with safe_open(path, "pt") as f:
+            for key in f.keys():
+                tensor = f.get_tensor(key)
+                sizes[key] = tensor.numel() * tensor.element_size()
+    return sizes
+
+
+def part(key: str) -> str:
+    """The part of the model a stored tensor belongs to, by its name: the routed experts, attention's
+    per-head projections, the dense / shared-expert MLPs, or the rest (replicated)."""
+    if ".mlp.experts." in key:
+        return "experts"
+    module = key.split(".")[-2]
+    return "heads" if module in HEADS else "mlp" if module in MLP else "replicated"
+
+
+def test_each_rank_reads_its_slices_and_the_replicated_tensors_only(saved, caplog):
+    """Under TP 2, counted by the loader per stored tensor: exactly the bytes the rank keeps; half of the
+    routed experts' (whole experts, its own range), the attention heads' and the MLPs' weights; every
+    other tensor at most whole; never the vision tower."""
+    sizes = stored_sizes(saved)
+    split = {k for k in sizes if part(k) != "replicated" and k.endswith(".weight")}
     reads = []
     for rank in range(WORLD):
         with caplog.at_level(logging.INFO, logger="ddtree.models"):
-            shard, _ = load_target(dense, shard=(rank, WORLD))
+            shard, _ = load_target(saved, shard=(rank, WORLD))
         stats = shard.load_stats
-        kept, sliced, whole = kept_bytes(dense, rank)
         buffers = sum(b.numel() * 4 for n, b in shard.named_buffers() if n in shard.state_dict())
-        assert stats.bytes_read == kept + buffers  # exactly its slices, nothing read twice
-        assert stats.bytes_read <= sliced / WORLD + whole + buffers
-        assert stats.bytes_read < stats.checkpoint_bytes
+        assert stats.bytes_read == kept_bytes(saved, rank) + buffers  # exactly its slices, nothing twice
+        halves = {}
+        for kind in ("experts", "heads", "mlp"):
+            keys = [k for k in split if part(k) == kind]
+            halves[kind] = sum(stats.read[k] for k in keys)
+            assert halves[kind] == sum(sizes[k] for k in keys) / WORLD, kind
+        rest = sum(n for k, n in sizes.items() if k not in split)
+        assert stats.bytes_read <= sum(sizes[k] for k in split) / WORLD + rest
+        experts = {int(k.split(".mlp.experts.")[1].split(".")[0]) for k in stats.read if part(k) == "experts"}
+        assert experts in (set(), set(range(rank * 4, rank * 4 + 4)))  # of 8: its 4, each read whole
+        assert not any("vision" in k for k in stats.read)
         assert f"tensor-parallel rank {rank} of {WORLD}: read" in caplog.text
-        reads.append(stats.bytes_read)
-    print(f"{dense.name}: checkpoint {stats.checkpoint_bytes} bytes, ranks read {reads}")
+        reads.append(f"rank {rank}: {stats.bytes_read} ({halves})")
+    print(f"{saved.name}: checkpoint {stats.checkpoint_bytes} bytes; {'; '.join(reads)}")
 
 
-def save_moe(kind: str, root: Path) -> Path:
-    """A tiny ``kind`` target saved in shards of 200 kB (``model.safetensors.index.json``)."""
-    target = tiny_moe_target(kind, image_token_id=32)
-    target.save_pretrained(root / kind, max_shard_size="200kB")
-    return root / kind
-
-
-@pytest.mark.parametrize("kind", ["deepseek_v3", "kimi_k25", "glm4_moe"])
-def test_moe_and_mla_targets_load_slice_wise_exactly_as_from_pretrained(kind, tmp_path):
-    directory = save_moe(kind, tmp_path)
-    assert (directory / "model.safetensors.index.json").is_file()
-    whole, _ = load_target(directory)
-    sliced, _ = load_target(directory, shard=(0, 1))
-    assert_same(whole, sliced)
-    if kind == "kimi_k25":  # the vision tower is never read
-        assert sliced.load_stats.bytes_read < 0.9 * sliced.load_stats.checkpoint_bytes
-
-
-def split_experts(target, rank: int, world_size: int) -> None:
-    """Expert parallelism's slices, as a stand-in for shard_target's: each MoE layer keeps experts
-    [rank * E / N, (rank + 1) * E / N) of the fused ``gate_up_proj`` / ``down_proj``, and rank 0 also
-    cuts gate_up_proj's rows across the gate / up boundary (a slice through a concatenation)."""
-    for layer in target.model.layers:
-        experts = getattr(layer.mlp, "experts", None)
-        if experts is None:
-            continue
-        n = experts.gate_up_proj.shape[0] // world_size
-        rows = slice(20, 40) if rank == 0 else slice(None)  # gate is rows [0, 32), up [32, 64)
-        experts.gate_up_proj = keep(experts.gate_up_proj, (slice(rank * n, (rank + 1) * n), rows))
-        experts.down_proj = keep(experts.down_proj, (slice(rank * n, (rank + 1) * n),))
-
-
-def test_an_expert_range_reads_only_its_experts(tmp_path, monkeypatch):
-    directory = save_moe("deepseek_v3", tmp_path)
-    whole, _ = load_target(directory)
-    monkeypatch.setattr(models_module, "shard_target", split_experts)
-    reads = []
-    for rank in range(WORLD):
-        shard, _ = load_target(directory, shard=(rank, WORLD))
-        for name, param in whole.named_parameters():
-            kept = shard.get_parameter(name)
-            part = param[kept.tp_slice] if hasattr(kept, "tp_slice") else param
-            assert torch.equal(kept, part), name
-        reads.append(shard.load_stats.bytes_read)
-    gate_up = sum(p.numel() * 4 for n, p in whole.named_parameters() if n.endswith("experts.gate_up_proj"))
-    down = sum(p.numel() * 4 for n, p in whole.named_parameters() if n.endswith("experts.down_proj"))
-    everything = load_target(directory, shard=(0, 1))[0].load_stats.bytes_read
-    assert reads[1] == everything - (gate_up + down) / 2  # half the experts, nothing else less
-    assert reads[1] - reads[0] == gate_up / 2 * (1 - 20 / 64)  # rank 0: 20 of each expert's 64 rows
-    expert_bytes = gate_up + down
-    print(f"deepseek_v3 expert split: experts {expert_bytes} bytes, ranks read {reads}")
+def test_a_slice_across_the_gate_up_concatenation_reads_only_its_rows(tmp_path):
+    """transformers fuses each expert's ``gate_proj`` and ``up_proj`` into ``gate_up_proj [E, 2I, H]``
+    (stacked, then concatenated); experts 2..3, rows 20..40 (gate is rows [0, 32), up [32, 64)) read rows
+    20..32 of those experts' gate_proj and 0..8 of their up_proj, nothing else."""
+    tiny_moe_target("deepseek_v3").save_pretrained(tmp_path)
+    whole, _ = load_target(tmp_path)
+    with torch.device("meta"):
+        naming = type(whole)(whole.config)
+    checkpoint = Checkpoint(tmp_path, None)
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    index = (slice(2, 4), slice(20, 40), slice(None))
+    source = plan_sources(naming, checkpoint, {name})[name]
+    assert torch.equal(
+        read_source(checkpoint, source, index, torch.float32), whole.get_parameter(name)[index]
+    )
+    rows = {"gate_proj": 12, "up_proj": 8}
+    expected = {
+        f"model.layers.1.mlp.experts.{e}.{p}.weight": n * 64 * 4 for e in (2, 3) for p, n in rows.items()
+    }
+    assert checkpoint.stats.read == expected
 
 
 # Writing quantized checkpoints with the published names
@@ -217,7 +223,7 @@ def int4_quantize(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     return q, scale
 
 
-def write_quantized(directory: Path, quantize, config: dict, root_config: bool = True) -> Path:
+def write_quantized(directory: Path, quantize, config: dict) -> Path:
     """Rewrite a saved float checkpoint as a quantized one (``quantize(key, tensor)`` -> the tensors to
     store for that key, or None to keep it float), and a float checkpoint of the dequantized weights
     beside it (``<name>-dequantized``): the model HF runs for the reference."""
@@ -275,23 +281,34 @@ def decode(directory: Path, drafter: Path) -> dict[str, list[list[int]]]:
     return {m: [r.token_ids for r in engine.generate(PROMPTS, params, method=m)] for m in ("ar", "ddtree")}
 
 
-@pytest.mark.parametrize(
-    ("kind", "quantize", "config", "path"),
-    [
-        ("deepseek_v3", fp8_linear, FP8_CONFIG, "fp8 block-scaled: dequantized to float32 at load"),
-        ("kimi_k25", int4_experts, INT4_CONFIG, "int4 pack-quantized: dequantized to float32 at load"),
-    ],
-)
-def test_a_quantized_checkpoint_dequantizes_at_load_and_decodes_hf_greedy(
-    kind, quantize, config, path, tmp_path, caplog
-):
-    target = tiny_moe_target(kind, image_token_id=32)
-    directory = tmp_path / kind
+QUANTIZED = {  # kind -> how its checkpoint is quantized (the published layouts; Llama's FP8 for TP 2)
+    "llama": (fp8_linear, FP8_CONFIG),
+    "deepseek_v3": (fp8_linear, FP8_CONFIG),
+    "kimi_k25": (int4_experts, INT4_CONFIG),
+}
+
+
+def save_quantized(target, kind: str, directory: Path) -> Path:
+    """``target`` saved in ``directory`` as ``kind``'s checkpoints are quantized (``QUANTIZED``) -> the
+    float checkpoint of its dequantized weights beside it (``write_quantized``)."""
     target.save_pretrained(directory)
     if kind == "kimi_k25":  # Kimi's published key names (transformers 5.24 saves "blocks")
         _rename(directory, ".model.blocks.", ".model.layers.")
+    return write_quantized(directory, *QUANTIZED[kind])
+
+
+@pytest.mark.parametrize(
+    ("kind", "path"),
+    [
+        ("deepseek_v3", "fp8 block-scaled: dequantized to float32 at load"),
+        ("kimi_k25", "int4 pack-quantized: dequantized to float32 at load"),
+    ],
+)
+def test_a_quantized_checkpoint_dequantizes_at_load_and_decodes_hf_greedy(kind, path, tmp_path, caplog):
+    target = tiny_moe_target(kind, image_token_id=32)
+    directory = tmp_path / kind
+    reference = save_quantized(target, kind, directory)
     moe_drafter(target).save_pretrained(tmp_path / "drafter")
-    reference = write_quantized(directory, quantize, config)
     with caplog.at_level(logging.INFO, logger="ddtree.models"):
         loaded, _ = load_target(directory)
     assert path in caplog.text
@@ -318,34 +335,17 @@ def _rename(directory: Path, old: str, new: str) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-def test_tensor_parallel_shards_of_an_fp8_checkpoint_equal_the_dequantized_models(tmp_path):
-    """Llama at TP 2 in FP8 with 128 x 128 blocks: the 64-column slices cut blocks in half."""
-    directory = tmp_path / "llama"
-    small_target("llama").save_pretrained(directory)
-    reference = write_quantized(directory, fp8_linear, FP8_CONFIG)
+@pytest.mark.parametrize("kind", list(QUANTIZED))
+def test_tensor_parallel_shards_of_a_quantized_checkpoint_equal_the_dequantized_models(kind, tmp_path):
+    """TP 2 of Llama and DeepSeek-V3 in FP8 with 128 x 128 blocks (the 64-column slices cut blocks in
+    half; DeepSeek's experts too) and of Kimi K2.5's INT4 experts (each rank unpacks its 4 of 8)."""
+    target = small_target("llama") if kind == "llama" else tiny_moe_target(kind, image_token_id=32)
+    reference = save_quantized(target, kind, tmp_path / kind)
     for rank in range(WORLD):
         expected, _ = load_target(reference)
         shard_target(expected, rank, WORLD)
-        shard, _ = load_target(directory, shard=(rank, WORLD))
+        shard, _ = load_target(tmp_path / kind, shard=(rank, WORLD))
         assert_same(expected, shard)
-
-
-def test_an_fp8_checkpoint_decodes_the_same_tokens_under_tensor_parallelism(tmp_path):
-    """The whole path: rank 1 spawned, each rank dequantizing its own slices; greedy ``ddtree`` at TP 2
-    emits ``ar``'s tokens of one process on the same checkpoint."""
-    target = small_target("llama")
-    target.save_pretrained(tmp_path / "target")
-    moe_drafter(target).save_pretrained(tmp_path / "drafter")
-    write_quantized(tmp_path / "target", fp8_linear, FP8_CONFIG)
-    options = dict(dtype=torch.float32, max_model_len=64, max_num_seqs=2, kv_cache_memory="16MiB")
-    params = SamplingParams(max_new_tokens=NEW)
-    single = Engine.from_pretrained(tmp_path / "target", tmp_path / "drafter", **options)
-    expected = [r.token_ids for r in single.generate(PROMPTS, params, method="ar")]
-    assert all(len(set(e)) > 3 for e in expected)  # not one repeated token
-    with Engine.from_pretrained(
-        tmp_path / "target", tmp_path / "drafter", tensor_parallel_size=WORLD, **options
-    ) as sharded:
-        assert [r.token_ids for r in sharded.generate(PROMPTS, params, method="ddtree")] == expected
 
 
 def test_fp8_and_int4_slices_dequantize_as_the_whole_tensor_does():

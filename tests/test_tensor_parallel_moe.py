@@ -2,8 +2,10 @@
 
 Each rank holds half the routed experts (the router whole), half the shared experts and dense MLPs, half
 the heads, and for MLA the whole latent pool; greedy ``ar`` and ``ddtree`` emit one process's tokens, and
-seeded samples are one process's. (Its own module: one tensor-parallel engine per process at a time, and
-``test_tensor_parallel_engine`` holds one for the whole of its module.)
+seeded samples are one process's: for Qwen3-MoE in float32, DeepSeek-V3 from an FP8 block-scaled
+checkpoint and Kimi K2.5 from one with INT4 routed experts (each rank dequantizing its own slices). (Its
+own module: one tensor-parallel engine per process at a time, and ``test_tensor_parallel_engine`` holds
+one for the whole of its module.)
 """
 
 from __future__ import annotations
@@ -16,26 +18,33 @@ from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
 from ddtree.params import SamplingParams
 from tests.conftest import deepseek_v3_fields, moe_drafter, tiny_moe_target, tiny_tokenizer
+from tests.test_loading import save_quantized
 from tests.test_tensor_parallel_engine import PROMPTS, TP, tokens
 
 OPTIONS = dict(dtype=torch.float32, max_model_len=128, kv_cache_memory="8MiB", max_num_seqs=4, budget=8)
 NEW = 16
 
 
-@pytest.fixture(params=["deepseek_v3", "qwen3_moe"])  # ended after its test: one TP engine at a time
+@pytest.fixture(params=["deepseek_v3", "qwen3_moe", "kimi_k25"])  # ended after its test: one TP engine
 def engines(request, tmp_path_factory):
-    """(kind, one process's engine, a TP-2 engine) over a saved tiny MoE target: DeepSeek-V3 (MLA, shared
-    experts, a dense layer 0) or Qwen3-MoE (GQA, a dense layer 0); 8 routed experts, top-2."""
-    root = tmp_path_factory.mktemp(request.param)
+    """(kind, one process's engine, a TP-2 engine) over a saved tiny MoE target, 8 routed experts, top-2,
+    a dense layer 0: DeepSeek-V3 (MLA, shared experts) as its FP8 block-scaled checkpoint, Qwen3-MoE (GQA)
+    in float32, Kimi K2.5's wrapper with its routed experts INT4 pack-quantized. A quantized checkpoint
+    loads slice-wise in one process too; each rank dequantizes only its slices."""
+    kind = request.param
+    root = tmp_path_factory.mktemp(kind)
     tokenizer = tiny_tokenizer()
-    target = tiny_moe_target(request.param, vocab=len(tokenizer))
-    target.save_pretrained(root / "target")
+    target = tiny_moe_target(kind, vocab=len(tokenizer), image_token_id=len(tokenizer))
+    if kind == "qwen3_moe":
+        target.save_pretrained(root / "target")
+    else:
+        save_quantized(target, kind, root / "target")
     tokenizer.save_pretrained(root / "target")
     moe_drafter(target).save_pretrained(root / "drafter")
     dirs = (root / "target", root / "drafter")
     single = Engine.from_pretrained(*dirs, **OPTIONS)
     with Engine.from_pretrained(*dirs, tensor_parallel_size=TP, **OPTIONS) as sharded:
-        yield request.param, single, sharded
+        yield kind, single, sharded
 
 
 def test_a_moe_target_under_tensor_parallelism_equals_one_process(engines):
@@ -43,11 +52,12 @@ def test_a_moe_target_under_tensor_parallelism_equals_one_process(engines):
     experts = sharded.runner.target.get_decoder().layers[1].mlp.experts
     assert experts.num_experts == 4 and experts.down_proj.shape[0] == 4  # rank 0's: experts 0..3 of 8
     assert sharded.runner.forward.num_heads == 2  # of 4
-    if kind == "deepseek_v3":  # the latent pool: every rank's is one process's
+    if kind != "qwen3_moe":  # MLA's latent pool: every rank's is one process's
         assert sharded.cache.layout.is_latent and sharded.cache.nbytes() == single.cache.nbytes()
     prompts = PROMPTS[:3]
     greedy = SamplingParams(max_new_tokens=NEW)
     reference = tokens(single, "ar", greedy, prompts)
+    assert all(len(set(r)) > 3 for r in reference)  # not one repeated token
     for method in ("ar", "ddtree"):
         assert tokens(sharded, method, greedy, prompts) == reference, method
     seeded = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_new_tokens=NEW) for s in (1, 2, 3)]

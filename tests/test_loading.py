@@ -100,11 +100,15 @@ def saved(request, tmp_path_factory) -> Path:
 
 
 def test_a_slice_wise_shard_equals_from_pretrained_then_shard_target(saved):
+    """Weights, buffers and ``tp_slice``s equal, and so does the shard's forward (a rank's partial sums):
+    what ``shard_target`` set on the meta experts (their range, the routing hook) survives the load."""
+    ids = torch.tensor([PROMPTS[0]])
     for rank in range(WORLD):
         whole, _ = load_target(saved)
         shard_target(whole, rank, WORLD)
         shard, _ = load_target(saved, shard=(rank, WORLD))
         assert_same(whole, shard)
+        assert torch.equal(whole(ids).logits, shard(ids).logits)
         for name, param in whole.named_parameters():
             assert getattr(shard.get_parameter(name), "tp_slice", None) == getattr(param, "tp_slice", None)
         if whole.config.tie_word_embeddings:

@@ -4,14 +4,16 @@ From a real config (default ``tests/assets/kimi_k26_config.json``, K2.6's shapes
 weights each rank holds, by kind, as the checkpoint stores them and as ddtree holds them today
 (dequantized to bf16 at load); MLA's KV bytes per token (``TargetForward.layout``: the latent, the same
 on every rank) and the drafter's; the KV pool per rank at ``--gpu-memory-utilization`` after weights and
-the largest step's activations (``ddtree.engine.memory.activation_bytes``); how many requests of
-``--context`` tokens that pool holds; and the all-reduce bytes of one verify round. Parameters come from
-transformers' own DeepSeek-V3 class built on the meta device, so the numbers follow the code.
+the largest step's activations (``ddtree.engine.memory.activation_bytes``, rank 0's heads); how many
+requests of ``--context`` tokens that pool holds; and the all-reduce bytes of one verify round.
+Parameters come from transformers' own DeepSeek-V3 class built on the meta device, so the numbers
+follow the code.
 
-Each rank keeps (issue 31's plan, vLLM's split): 1 / N of the routed experts (whole experts), of the
-attention heads (``q_b_proj``, ``kv_b_proj``, ``o_proj``) and of the dense and shared-expert MLPs; the
-rest (embedding, LM head, norms, router, the ``q_a`` / ``kv_a`` down-projections) on every rank; the
-drafter, its KV pool and the LM head's sampling on rank 0, the binding rank.
+Each rank keeps what ``ddtree.tensor_parallel.shard_target`` leaves it, run on the meta model: 1 / N of
+the routed experts (whole experts), of the attention heads (``q_b_proj``, ``kv_b_proj``, ``o_proj``) and
+of the dense and shared-expert MLPs; the rest (embedding, LM head, norms, router, the ``q_a`` / ``kv_a``
+down-projections) whole. The drafter, its KV pool and the LM head's sampling are on rank 0, the binding
+rank, whose numbers these are.
 
     python scripts/kimi_plan.py                    # the table in docs/design.md
     python scripts/kimi_plan.py --gpus 16 --gpu-gb 192
@@ -30,13 +32,12 @@ from ddtree.drafter import DFlashDrafter, dflash_config
 from ddtree.engine.memory import activation_bytes
 from ddtree.forward import TargetForward
 from ddtree.kv_cache import KVLayout
-from ddtree.tensor_parallel import TPGroup
+from ddtree.tensor_parallel import TPGroup, shard_target
 
 CONFIG = Path(__file__).resolve().parents[1] / "tests" / "assets" / "kimi_k26_config.json"
 BF16 = 2
 INT4 = 0.5 + BF16 / 32  # a 4-bit value plus a bf16 scale per group of 32 (K2.5 / K2.6 routed experts)
 FP8 = 1 + 4 / (128 * 128)  # a byte plus a float32 scale per 128 x 128 block (K2)
-SPLIT = ("q_b_proj", "kv_b_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "shared_experts")
 
 
 def text_model(config: dict):
@@ -62,11 +63,6 @@ def stored_bytes(name: str, numel: int, method: str | None, dtype: torch.dtype) 
     return ("fp32" if dtype == torch.float32 else "bf16"), numel * dtype.itemsize
 
 
-def rank_share(name: str, gpus: int) -> float:
-    """The share of parameter ``name`` each rank keeps: 1 / N when split, else all of it."""
-    return 1 / gpus if ".experts." in name or any(s in name for s in SPLIT) else 1.0
-
-
 def plan(
     config: dict,
     gpus: int = 8,
@@ -82,15 +78,14 @@ def plan(
     """Rank 0's numbers (bytes unless named otherwise) for ``gpus`` GPUs of ``gpu_bytes`` each."""
     model = text_model(config)
     method = (config.get("quantization_config") or {}).get("quant_method")
+    total_parameters = sum(p.numel() for p in model.parameters())
+    shard_target(model, 0, gpus)  # rank 0's parameters, as the slice-wise loader reads them
     stored: dict[str, float] = {}
-    total_parameters = 0
     for name, param in model.named_parameters():
         kind, size = stored_bytes(name, param.numel(), method, param.dtype)
-        stored[kind] = stored.get(kind, 0.0) + size * rank_share(name, gpus)
-        total_parameters += param.numel()
-    dequantized = sum(
-        p.numel() * p.dtype.itemsize * rank_share(n, gpus) for n, p in model.named_parameters()
-    )  # ddtree today: every weight in bf16 (the router in float32)
+        stored[kind] = stored.get(kind, 0.0) + size
+    # ddtree today: every weight in bf16 (the router in float32)
+    dequantized = sum(p.numel() * p.dtype.itemsize for p in model.parameters())
     drafter_config = dflash_config(model.config, num_layers=drafter_layers, block_size=block_size)
     with torch.device("meta"):
         drafter = DFlashDrafter(drafter_config)

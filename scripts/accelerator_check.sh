@@ -73,7 +73,7 @@ run_step() {
 
 echo "accelerator_check: [1/7] lossless tests on CUDA (timeout ${TEST_TIMEOUT}s) -> $OUT_DIR/tests.log"
 DDTREE_TEST_DEVICE=cuda run_step tests "$TEST_TIMEOUT" "$OUT_DIR/tests.log" \
-    "$PYTHON" -m pytest -q -x -rP -p no:cacheprovider tests/test_host_syncs.py tests/test_capture.py \
+    "$PYTHON" -m pytest -q -n 0 -x -rP -p no:cacheprovider tests/test_host_syncs.py tests/test_capture.py \
     "tests/test_sampling_lossless.py::test_compiled_samples_follow_target_distribution"
 
 echo "accelerator_check: [2/7] syncs per round (timeout ${SYNC_TIMEOUT}s) -> $OUT_DIR/syncs.json"

@@ -74,6 +74,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--target", type=Path, default=None, help="a target dir (default: the built-in pair)")
+    p.add_argument("--drafter", type=Path, default=None, help="its drafter dir")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -83,9 +85,10 @@ def main() -> None:
     options = dict(
         dtype=args.dtype, max_model_len=1024, kv_cache_memory="256MiB", max_num_seqs=max(args.concurrency)
     )
+    dirs = (args.target, args.drafter)
     engines = {
-        1: Engine.from_pretrained(**options),
-        args.tp: Engine.from_pretrained(tensor_parallel_size=args.tp, **options),
+        1: Engine.from_pretrained(*dirs, **options),
+        args.tp: Engine.from_pretrained(*dirs, tensor_parallel_size=args.tp, **options),
     }
     rows = []
     try:
@@ -107,9 +110,8 @@ def main() -> None:
     finally:
         engines[args.tp].close()
     if args.out is not None:
-        args.out.write_text(
-            json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=2) + "\n"
-        )
+        options = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        args.out.write_text(json.dumps({"args": options, "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -79,11 +79,8 @@ def test_samples_under_tensor_parallelism_follow_the_target_distribution(tmp_pat
     assert g_p > lossless.P_PASS and chi2_p > lossless.P_PASS
 
 
-def test_a_rank_that_dies_fails_the_next_step_in_one_line(tmp_path):
-    save_tp_pair(tmp_path)
-    engine = Engine.from_pretrained(
-        tmp_path / "target", tmp_path / "drafter", tensor_parallel_size=TP, dtype=torch.float32
-    )
+def kill_rank_1_and_expect_one_line(engine: Engine, prompt) -> None:
+    """Kill rank 1: the watcher names it within 10 s and the next step fails in one line naming it."""
     reasons = []
     engine.watch_ranks(reasons.append)
     engine.runner.channel.ranks.processes[0].kill()
@@ -92,8 +89,16 @@ def test_a_rank_that_dies_fails_the_next_step_in_one_line(tmp_path):
         time.sleep(0.05)
     assert reasons == ["tensor-parallel rank 1 exited (exit code -9)"]
     with pytest.raises(TensorParallelError, match="rank 1 exited") as info:
-        engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
+        engine.generate(prompt, SamplingParams(max_new_tokens=2))
     assert "\n" not in str(info.value)
+
+
+def test_a_rank_that_dies_fails_the_next_step_in_one_line(tmp_path):
+    save_tp_pair(tmp_path)
+    engine = Engine.from_pretrained(
+        tmp_path / "target", tmp_path / "drafter", tensor_parallel_size=TP, dtype=torch.float32
+    )
+    kill_rank_1_and_expect_one_line(engine, [1, 2, 3])
     engine.close()  # the other ranks are killed, not told: one of them can no longer answer
     assert not any(p.is_alive() for p in engine.runner.channel.ranks.processes)
     with pytest.raises(TensorParallelError, match="was closed"):  # never rank 0's shard alone

@@ -10,19 +10,17 @@ one for the whole of its module.)
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from ddtree.engine import Engine
-from ddtree.engine.ranks import TensorParallelError
 from ddtree.errors import DDTreeError
 from ddtree.params import SamplingParams
 from tests.conftest import deepseek_v3_fields, moe_drafter, tiny_moe_target, tiny_tokenizer
 from tests.test_loading import save_quantized
 from tests.test_tensor_parallel_engine import PROMPTS, TP, tokens
+from tests.test_tensor_parallel_lossless import kill_rank_1_and_expect_one_line
 
 OPTIONS = dict(dtype=torch.float32, max_model_len=128, kv_cache_memory="8MiB", max_num_seqs=4, budget=8)
 NEW = 16
@@ -85,13 +83,4 @@ def test_experts_that_do_not_split_over_the_ranks_are_refused_in_one_line(tmp_pa
 def test_a_rank_of_a_moe_engine_that_dies_fails_the_next_step_in_one_line(engines):
     """As for dense targets: rank 1 killed mid-run is named in one line, nothing waits on a collective."""
     _, _, sharded = engines
-    reasons = []
-    sharded.watch_ranks(reasons.append)
-    sharded.runner.channel.ranks.processes[0].kill()
-    deadline = time.monotonic() + 10
-    while not reasons and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert reasons == ["tensor-parallel rank 1 exited (exit code -9)"]
-    with pytest.raises(TensorParallelError, match="rank 1 exited") as info:
-        sharded.generate(PROMPTS[0], SamplingParams(max_new_tokens=2))
-    assert "\n" not in str(info.value)
+    kill_rank_1_and_expect_one_line(sharded, PROMPTS[0])

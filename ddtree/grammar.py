@@ -1,0 +1,170 @@
+"""Structured outputs: what a request's text must match (a JSON schema, any JSON object, a regex, one of
+a list of strings, an EBNF grammar), compiled once by xgrammar and followed by a matcher per request.
+
+A round needs the constrained distribution at every node of a row's draft tree: the matcher walks the
+tree (xgrammar's ``traverse_draft_tree``: accept a node's token, fill the bitmask of what may follow it,
+recurse into its children, roll back; SGLang's first-child / next-sibling encoding) and returns one
+allowed-token bitmask per node. Masking the target's logits with them at every node makes greedy
+acceptance pick the constrained argmax and sampled acceptance draw from the constrained law, so the
+output is exactly plain constrained decoding's; a drafted token the grammar forbids is simply never
+accepted. Compiled grammars are cached (xgrammar's cache, keyed by the constraint), and compiling is
+bounded in time and size: a schema that cannot compile in time is a one-line error, never a stalled
+engine.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+from ddtree.errors import DDTreeError
+
+MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema, regex, grammar or the choices together
+COMPILE_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Exactly one constraint (vLLM's ``structured_outputs`` fields; OpenAI's ``response_format``
+    ``json_schema`` is ``json``, ``json_object`` is ``json_object=True``)."""
+
+    json: str | None = None  # a JSON schema, serialised (hashable, and what xgrammar takes)
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None  # EBNF (xgrammar's dialect of GBNF)
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise DDTreeError(
+                "structured outputs take exactly one of json, regex, choice, grammar, json_object; "
+                f"got {', '.join(given) or 'none'}"
+            )
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise DDTreeError("structured outputs' choice must be a non-empty list of strings")
+        size = sum(len(x) for x in (self.json, self.regex, self.grammar) if x) + sum(
+            map(len, self.choice or ())
+        )
+        if size > MAX_CONSTRAINT_CHARS:
+            raise DDTreeError(
+                f"the structured-output constraint has {size} characters; at most {MAX_CONSTRAINT_CHARS}"
+            )
+
+    @classmethod
+    def of_schema(cls, schema: dict | str) -> StructuredOutputs:
+        """A JSON schema given as an object or as its text."""
+        return cls(json=schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True))
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and model vocabulary (the LM head's rows, which may
+    exceed the tokenizer's: the extra ids are never allowed)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int] | None = None) -> None:
+        stops = list(stop_token_ids) if stop_token_ids else None
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
+        self.vocab_size = vocab_size
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+
+    def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
+        """The compiled grammar (cached by xgrammar); a constraint that does not compile, or not within
+        ``COMPILE_SECONDS``, is a one-line ``DDTreeError`` naming the problem."""
+        future = self._pool.submit(self._compile, spec)
+        try:
+            return future.result(timeout=COMPILE_SECONDS)
+        except concurrent.futures.TimeoutError:
+            raise DDTreeError(
+                f"the structured-output constraint did not compile within {COMPILE_SECONDS:g} s"
+            ) from None
+        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors for bad input
+            kind = next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(spec, k))
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DDTreeError(f"invalid structured-output {kind}: {first}") from None
+
+    def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
+        if spec.json is not None:
+            return self._compiler.compile_json_schema(spec.json)
+        if spec.json_object:
+            return self._compiler.compile_builtin_json_grammar()
+        if spec.regex is not None:
+            return self._compiler.compile_regex(spec.regex)
+        if spec.choice is not None:
+            return self._compiler.compile_grammar("root ::= " + " | ".join(map(_literal, spec.choice)))
+        return self._compiler.compile_grammar(spec.grammar)
+
+    def state(self, spec: StructuredOutputs) -> GrammarState:
+        return GrammarState(self.compile(spec), self.vocab_size)
+
+
+def _literal(text: str) -> str:
+    """``text`` as an EBNF string literal."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+class GrammarState:
+    """One request's place in its grammar: advanced by the tokens it commits; asked, each round, what
+    may follow every node of its draft tree."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled)  # rollback is unbounded in xgrammar >= 0.2
+        self.vocab_size = vocab_size
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and its stop token accepted: nothing may follow."""
+        return self.matcher.is_terminated()
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        """Advance past committed tokens (each was allowed by the mask it was chosen under)."""
+        for token in tokens:
+            if not self.matcher.accept_token(int(token)):
+                raise DDTreeError(f"token {token} was committed against the request's grammar")
+
+    def next_mask(self) -> torch.Tensor:
+        """[W] int32: the tokens allowed next (bit t of word t // 32), W = ceil(V / 32)."""
+        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.matcher.fill_next_token_bitmask(mask, 0)
+        return mask[0]
+
+    def tree_masks(self, tokens: np.ndarray, parents: np.ndarray) -> torch.Tensor:
+        """[N, W] int32: what may follow each node of one tree (node 0 the root, already committed;
+        ``parents[0] == -1``, children after their parent, siblings most probable first). A node whose
+        own token the grammar forbids is never accepted, nor anything below it; its row allows
+        everything, so the distributions computed there stay finite."""
+        n = len(tokens)
+        first_child = np.full(n, -1, dtype=np.int64)
+        next_sibling = np.full(n, -1, dtype=np.int64)
+        last_child = np.full(n, -1, dtype=np.int64)
+        for node in range(1, n):
+            parent = parents[node]
+            if first_child[parent] < 0:
+                first_child[parent] = node
+            else:
+                next_sibling[last_child[parent]] = node
+            last_child[parent] = node
+        masks = xgr.allocate_token_bitmask(n, self.vocab_size)  # all allowed
+        self.matcher.traverse_draft_tree(
+            torch.from_numpy(first_child),
+            torch.from_numpy(next_sibling),
+            torch.from_numpy(np.asarray(tokens, dtype=np.int64)),
+            masks,
+        )
+        masks[(masks == 0).all(dim=1)] = -1  # unreachable: xgrammar leaves a forbidden node's row empty
+        return masks
+
+
+def apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """``logits`` [..., V] with the tokens ``masks`` [..., W] forbids set to -inf, in place (xgrammar's
+    kernel: CUDA or CPU)."""
+    flat = logits.view(-1, logits.shape[-1])
+    xgr.apply_token_bitmask_inplace(flat, masks.reshape(-1, masks.shape[-1]).to(logits.device))
+    return logits

@@ -136,7 +136,7 @@ def max_batch_size(args: argparse.Namespace) -> int:
 def check_engine_flags(args: argparse.Namespace):
     """The checks that need no model: method, budget, topk, thresholds, compile buckets, threads, device.
     Returns the device."""
-    from ddtree.engine.ranks import check_world
+    from ddtree.engine.launch import check_world
     from ddtree.models import check_device
 
     check_speculative_options(args.method, args.budget, args.topk)
@@ -200,7 +200,7 @@ def engine_from_args(args: argparse.Namespace):
 def serve_torchrun_rank(args: argparse.Namespace) -> None:
     """A torchrun rank other than 0: load this rank's shard of the target the flags name, then run rank
     0's steps until it stops."""
-    from ddtree.engine.ranks import ShardSpec, run_torchrun_worker
+    from ddtree.engine.rank_worker import ShardSpec, run_torchrun_worker
     from ddtree.models import DEFAULT_TARGET
 
     device = check_engine_flags(args)
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)
         if getattr(args, "tensor_parallel_size", 1) > 1:
-            from ddtree.engine.ranks import torchrun_rank
+            from ddtree.engine.rank_worker import torchrun_rank
 
             launched = torchrun_rank()
             if launched is not None and launched[0] != 0:

@@ -1,8 +1,8 @@
-"""A call that raises on one rank in the middle of a step, under TP 2 with gloo (``ranks.FAIL_ENV`` injects it
-when the rank reaches the round's verify forward, after rank 0 sent it): every rank leaves the step, the
-error names the rank, later calls fail the same way instead of pairing collectives wrongly, and closing
-ends every rank; the server answers the request a 500 naming the rank and stops being ready. Nothing may
-hang: each wait is bounded."""
+"""A call that raises on one rank in the middle of a step, under TP 2 with gloo (``step_channel.FAIL_ENV``
+injects it when the rank reaches the round's verify forward, after rank 0 sent it): every rank leaves the
+step, the error names the rank, later calls fail the same way instead of pairing collectives wrongly, and
+closing ends every rank; the server answers the request a 500 naming the rank and stops being ready.
+Nothing may hang: each wait is bounded."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ddtree.engine import Engine
-from ddtree.engine.ranks import FAIL_ENV, TensorParallelError
+from ddtree.engine.step_channel import FAIL_ENV, TensorParallelError
 from ddtree.params import SamplingParams
 from tests.test_server_api import error_of, start, wait_until_ready
 from tests.test_tensor_parallel_lossless import save_tp_pair

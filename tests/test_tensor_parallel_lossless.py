@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from ddtree.engine import Engine
-from ddtree.engine.ranks import TensorParallelError
+from ddtree.engine.step_channel import TensorParallelError
 from ddtree.errors import DDTreeError
 from ddtree.params import SamplingParams
 from tests import test_sampling_lossless as lossless

@@ -165,7 +165,7 @@ def load_sharded_engine(args: argparse.Namespace, cfg, max_batch_size: int):
     sibling; and HF's ``generate`` would run rank 0's shard alone, so no ``hf`` methods)."""
     from ddtree.bench.runner import HF_METHODS
     from ddtree.engine import Engine
-    from ddtree.engine.ranks import check_world
+    from ddtree.engine.launch import check_world
     from ddtree.models import check_device
 
     check_world(args.tensor_parallel_size, check_device(args.device))

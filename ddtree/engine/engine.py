@@ -36,12 +36,13 @@ from ddtree.drafter import DFlashDrafter
 from ddtree.engine.auto_budget import AutoBudget
 from ddtree.engine.block_manager import BlockManager
 from ddtree.engine.clock import StageClock
+from ddtree.engine.launch import check_world, start_tensor_parallel
 from ddtree.engine.memory import CacheConfig
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.proposer import Proposer
-from ddtree.engine.ranks import StepChannel, check_world, close_channel, start_tensor_parallel
 from ddtree.engine.request import GenerationResult, GenerationStats, Request, StreamDelta
 from ddtree.engine.scheduler import Chunk, Scheduler
+from ddtree.engine.step_channel import StepChannel, close_channel
 from ddtree.engine.verifier import Verifier, delta_of
 from ddtree.errors import DDTreeError
 from ddtree.models import (
@@ -229,7 +230,7 @@ class Engine:
         ``dtype`` "auto" is the checkpoint's, except a small bf16 / fp16 model on a CPU without native bf16
         matmuls, where float32 is faster (``docs/models.md``).
 
-        ``tensor_parallel_size`` N > 1 shards the target over N ranks (``ddtree.engine.ranks``): this
+        ``tensor_parallel_size`` N > 1 shards the target over N ranks (``ddtree.engine.launch``): this
         process is rank 0 and spawns ranks 1..N-1 (gloo on the CPU; NCCL on GPUs 0..N-1), or, started by
         torchrun, joins its ranks; there a rank other than 0 serves rank 0's steps and exits when it stops.
         ``close()`` (or ``with``) ends them.

@@ -6,9 +6,9 @@ Three forwards: the prefill (a batch of prompt chunks, any shape), the round's v
 tree) and the drafter pass. With fixed shapes the last two run at a few padded shapes
 (``ddtree.capture``), each compiled (CUDA graphs on CUDA) and warmed up once at start-up.
 
-Under tensor parallelism (``ddtree.engine.ranks``) rank 0's runner holds the drafter, the LM head and its
-shard of the target; every other rank's runner (``ModelRunner.worker``) holds its shard alone, and the
-``@replicated`` methods, which touch the target, run on every rank with the same arguments.
+Under tensor parallelism (``ddtree.engine.step_channel``) rank 0's runner holds the drafter, the LM head
+and its shard of the target; every other rank's runner (``ModelRunner.worker``) holds its shard alone,
+and the ``@replicated`` methods, which touch the target, run on every rank with the same arguments.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from ddtree.capture import (
 from ddtree.commit import pack_accepted
 from ddtree.drafter import DFlashDrafter
 from ddtree.engine.memory import CacheConfig, KVPlan, activation_bytes, gib, peak_bytes, plan_kv
-from ddtree.engine.ranks import StepChannel, close_channel, replicated
 from ddtree.engine.request import Request
+from ddtree.engine.step_channel import StepChannel, close_channel, replicated
 from ddtree.errors import DDTreeError
 from ddtree.forward import Float32Linear, TargetForward
 from ddtree.kv_cache import KVLayout, PagedKVCache

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ddtree.engine.ranks import TensorParallelError
+from ddtree.engine.step_channel import TensorParallelError
 from ddtree.errors import DDTreeError
 from ddtree.server.errors import APIError, ClientGone, error_body, invalid
 from ddtree.server.generation import Generation, Piece, RowDelta

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import torch
 
-from ddtree.engine.ranks import TensorParallelError
+from ddtree.engine.step_channel import TensorParallelError
 from ddtree.server.generation import EngineRow, RowDelta, ServedModel, Started
 from ddtree.server.metrics import Metrics
 

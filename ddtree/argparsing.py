@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 
 from ddtree.errors import DDTreeError
 from ddtree.params import DTYPE_CHOICES, memory_size
@@ -42,16 +43,16 @@ def add_draft_topk(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", dest="topk", type=int, default=None, help=argparse.SUPPRESS)
 
 
-def int_list(flag: str):
-    """An argparse type for a comma-separated list of integers (``1,2,4``); errors name the flag's value."""
+def comma_list(kind: Callable[[str], object], flag: str):
+    """An argparse type for a comma-separated list of ``kind`` (``1,2,4``); errors name the flag's value."""
 
-    def parse(text: str) -> tuple[int, ...]:
+    def parse(text: str) -> tuple:
         try:
-            values = tuple(int(v.strip()) for v in text.split(",") if v.strip())
-        except ValueError:
-            values = ()
+            values = tuple(kind(v.strip()) for v in text.split(",") if v.strip())
+        except (ValueError, argparse.ArgumentTypeError):
+            raise argparse.ArgumentTypeError(f"{flag} must be a comma-separated list, got {text!r}") from None
         if not values:
-            raise argparse.ArgumentTypeError(f"{flag} must be comma-separated integers, got {text!r}")
+            raise argparse.ArgumentTypeError(f"{flag} is empty")
         return values
 
     return parse
@@ -89,7 +90,7 @@ def add_compile_options(p: argparse.ArgumentParser) -> None:
     )
     for flag, metavar, text in BUCKET_FLAGS:
         p.add_argument(
-            flag, type=int_list(flag), default=None, metavar=f"{metavar}1,{metavar}2,...", help=text
+            flag, type=comma_list(int, flag), default=None, metavar=f"{metavar}1,{metavar}2,...", help=text
         )
     p.add_argument(
         "--attention-backend",

@@ -264,6 +264,15 @@ def _stream(engine, prompt: str, params, args: argparse.Namespace) -> None:
         print(json.dumps(stats, indent=2), file=sys.stderr)
 
 
+def quiet_transformers() -> None:
+    """The CLI's stderr is for our stats and errors: no progress bars, and no transformers warning (like
+    the tokenizer's "sequence length is longer than ..." before our own one-line error for a long prompt)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def _add_server_options(p: argparse.ArgumentParser) -> None:
     from ddtree.server.run import add_server_options
 
@@ -278,14 +287,9 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from transformers.utils import logging as hf_logging
-
-    # The CLI's stderr is for our stats and errors: no progress bars, and no transformers warning (like the
-    # tokenizer's "sequence length is longer than ..." before our own one-line error for a long prompt).
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)  # --help and argument errors end here, before any model code
+        quiet_transformers()
         if getattr(args, "tensor_parallel_size", 1) > 1:
             from ddtree.engine.rank_worker import torchrun_rank
 

@@ -364,7 +364,7 @@ def test_compile_flags_parse_for_generate_serve_and_bench():
     ("flags", "fragments"),
     [
         (["generate", "def", "--node-buckets", "17"], ["--node-buckets needs --compile"]),
-        (["generate", "def", "--compile", "--node-buckets", "1,x"], ["must be comma-separated"]),
+        (["generate", "def", "--compile", "--node-buckets", "1,x"], ["must be a comma-separated list"]),
         (["generate", "def", "--compile", "--node-buckets", "0,17"], ["--node-buckets must be", ">= 1"]),
         (["generate", "def", "--compile", "--batch-buckets", "1,2"], ["--batch-buckets may not exceed 1"]),
         (["serve", "--port", "0", "--compile", "--max-batch-size", "8", "--batch-buckets", "1,4"],

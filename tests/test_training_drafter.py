@@ -17,6 +17,7 @@ from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
 from ddtree.params import SamplingParams
 from ddtree.training import distill
+from ddtree.training.cli import register_drafter
 from ddtree.training.distill import ListPrompts, StreamPrompts, build_sequences, generate_continuations
 from ddtree.training.drafter import (
     CHECKPOINT,
@@ -26,7 +27,6 @@ from ddtree.training.drafter import (
     load_frozen_target,
     loss_weights,
     make_optimizer,
-    register_drafter,
     resolve_mask_token_id,
     sample_anchors,
     target_features,

@@ -25,6 +25,7 @@ from ddtree.argparsing import (
     add_trust_remote_code,
     apply_threads,
     check_compile_options,
+    comma_list,
     memory_options,
 )
 from ddtree.errors import DDTreeError
@@ -41,28 +42,13 @@ EXAMPLES = """examples:
   ddtree bench --device cuda --compile --methods ar,dflash,ddtree --budgets 16,64 --num-prompts 4"""
 
 
-def _csv(kind: type, what: str):
-    """An argparse type for a comma-separated list of ``kind``; errors name the flag's value."""
-
-    def parse(text: str) -> tuple:
-        try:
-            values = tuple(kind(v.strip()) for v in text.split(",") if v.strip())
-        except (ValueError, argparse.ArgumentTypeError):
-            raise argparse.ArgumentTypeError(f"{what} must be a comma-separated list, got {text!r}") from None
-        if not values:
-            raise argparse.ArgumentTypeError(f"{what} is empty")
-        return values
-
-    return parse
-
-
 def add_bench_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--methods", type=_csv(str, "--methods"), default=DEFAULT_METHODS,
+    p.add_argument("--methods", type=comma_list(str, "--methods"), default=DEFAULT_METHODS,
                    help="comma-separated, from ar,dflash,ddtree,hf,hf-pld; "
                    "hf = HF generate(), hf-pld = its prompt lookup decoding")  # fmt: skip
-    p.add_argument("--budgets", type=_csv(parse_budget, "--budgets"), default=DEFAULT_BUDGETS,
+    p.add_argument("--budgets", type=comma_list(parse_budget, "--budgets"), default=DEFAULT_BUDGETS,
                    help="ddtree budgets, comma-separated")  # fmt: skip
-    p.add_argument("--temperatures", type=_csv(float, "--temperatures"), default="0,1",
+    p.add_argument("--temperatures", type=comma_list(float, "--temperatures"), default="0,1",
                    help="sampling temperatures, comma-separated; 0 = greedy")  # fmt: skip
     p.add_argument("--prompts", default="builtin", help="'builtin' or a FILE.jsonl")
     p.add_argument("--num-prompts", type=int, default=16, help="first N prompts; 0 = all")
@@ -86,7 +72,7 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
     add_threads_option(p)
     p.add_argument("--tree-vocab", type=int, default=32768,
                    help="vocabulary of the tree-build timing; 0 = skip it")  # fmt: skip
-    p.add_argument("--concurrency", type=_csv(int, "--concurrency"), default=None,
+    p.add_argument("--concurrency", type=comma_list(int, "--concurrency"), default=None,
                    help="instead of one request at a time: keep C requests in flight in the batched engine, "
                    "for each C of this list (e.g. 1,4,16); reports throughput vs concurrency")  # fmt: skip
     add_compile_options(p)

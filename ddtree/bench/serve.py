@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from ddtree.bench.cli import _csv
+from ddtree.argparsing import comma_list
 from ddtree.errors import DDTreeError
 
 LISTENING = re.compile(r"listening on (http://[\d.:\[\]a-zA-Z-]+)")
@@ -54,9 +54,9 @@ class RequestRecord:
 
 def add_serve_bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server to load")
-    p.add_argument("--concurrency", type=_csv(int, "--concurrency"), default=(1, 4, 16, 64),
+    p.add_argument("--concurrency", type=comma_list(int, "--concurrency"), default=(1, 4, 16, 64),
                    help="comma-separated numbers of concurrent clients (default 1,4,16,64)")  # fmt: skip
-    p.add_argument("--request-rate", type=_csv(float, "--request-rate"), default=None,
+    p.add_argument("--request-rate", type=comma_list(float, "--request-rate"), default=None,
                    help="comma-separated Poisson request rates (req/s) instead")  # fmt: skip
     p.add_argument("--num-requests", type=int, default=0,
                    help="requests per level (0: 4 x concurrency, at least 8; 32 per rate)")  # fmt: skip

@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 from ddtree.errors import DDTreeError
+from ddtree.training.flags import SAVE_DTYPE_NAMES
 
 CHECKPOINT = "checkpoint.pt"
-SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # the final weights' ``save_dtype``
+SAVE_DTYPES = {name: getattr(torch, name) for name in SAVE_DTYPE_NAMES}  # the final weights' ``save_dtype``
 
 
 def check_resumable(saved: Any, cfg: Any, run_fields: Collection[str]) -> None:

@@ -10,10 +10,8 @@ import argparse
 import json
 from pathlib import Path
 
-from ddtree.training.drafter import register_drafter
+from ddtree.training.configs import DRAFTER_HELP, TARGET_HELP, DrafterConfig, TargetConfig
 from ddtree.training.flags import COMMON_HELP, add_dataclass_flags, dataclass_from_args
-from ddtree.training.target import TARGET_HELP, TargetConfig, train_target
-from ddtree.training.tokenizer import train_tokenizer
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -63,11 +61,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_tokenizer(args: argparse.Namespace) -> None:
+    from ddtree.training.tokenizer import train_tokenizer  # here: building the parser imports no torch
+
     out = train_tokenizer(args.out, args.vocab_size, args.corpus_root)
     print(f"tokenizer saved to {out}")
 
 
 def _run_target(args: argparse.Namespace) -> None:
+    from ddtree.training.target import train_target
+
     cfg = dataclass_from_args(TargetConfig, args)
     metrics = train_target(
         args.tokenizer,
@@ -81,7 +83,55 @@ def _run_target(args: argparse.Namespace) -> None:
     print(json.dumps({k: v for k, v in metrics.items() if k != "config"}, indent=2))
 
 
-if __name__ == "__main__":  # ``python -m ddtree.training.cli train ...`` is ``ddtree train ...``
-    from ddtree.cli import main
+def register_drafter(train_subparsers: argparse._SubParsersAction) -> None:
+    """Add ``drafter`` to the ``train`` subcommands; options are generated from :class:`DrafterConfig`."""
+    p = train_subparsers.add_parser(
+        "drafter",
+        help="a DFlash drafter for a target, on its own continuations",
+        description="Train a DFlash drafter for a local Qwen3 / Llama target on the target's own\n"
+        "continuations and save it in the public DFlash checkpoint format (resumable).",
+        epilog="example (a few minutes on a CPU):\n"
+        "  ddtree train drafter --target DIR --out runs/drafter-model --num-sequences 256 --steps 200",
+    )
+    p.add_argument("--target", type=Path, required=True, help="HF target directory (with its tokenizer)")
+    p.add_argument("--out", type=Path, required=True, help="directory for the drafter (public DFlash format)")
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help="prompts file (.jsonl, or text: one per line) instead of corpus windows",
+    )
+    p.add_argument(
+        "--corpus-root", type=Path, default=None, help="corpus root (this interpreter's stdlib if omitted)"
+    )
+    p.add_argument("--work-dir", type=Path, default=Path("runs/drafter"), help="checkpoint and data cache")
+    p.add_argument("--data", type=Path, default=None, help="data cache file (WORK_DIR/data.pt if omitted)")
+    p.add_argument("--resume", action="store_true", help="continue from WORK_DIR/checkpoint.pt")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (torch's default if omitted)")
+    p.add_argument(
+        "--until-step",
+        type=int,
+        default=None,
+        help="checkpoint and stop after this step without finishing (resume later)",
+    )
+    add_dataclass_flags(p, DrafterConfig, COMMON_HELP | DRAFTER_HELP)
+    p.set_defaults(func=_run_drafter)
 
-    main()
+
+def _run_drafter(args: argparse.Namespace) -> None:
+    from ddtree.training.drafter import train_drafter
+
+    cfg = dataclass_from_args(DrafterConfig, args)
+    metrics = train_drafter(
+        args.target,
+        args.out,
+        cfg,
+        prompts=args.prompts,
+        corpus_root=args.corpus_root,
+        work_dir=args.work_dir,
+        data_path=args.data,
+        resume=args.resume,
+        threads=args.threads,
+        until_step=args.until_step,
+    )
+    print(json.dumps({k: v for k, v in metrics.items() if k not in ("config", "history")}, indent=2))

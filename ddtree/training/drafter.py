@@ -20,11 +20,10 @@ positions matter most. Only the drafter trains (the target, including embedding 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ from ddtree.drafter import DFlashDrafter, dflash_config
 from ddtree.errors import DDTreeError
 from ddtree.models import eos_token_ids, load_target
 from ddtree.training.checkpoint import CHECKPOINT, SAVE_DTYPES, load_checkpoint, save_checkpoint
+from ddtree.training.configs import DrafterConfig
 from ddtree.training.distill import (
     ListPrompts,
     StreamPrompts,
@@ -42,106 +42,12 @@ from ddtree.training.distill import (
     read_prompts,
     weights_fingerprint,
 )
-from ddtree.training.flags import COMMON_HELP, add_dataclass_flags, check_config, dataclass_from_args
 from ddtree.training.loop import autocast, lr_at, make_optimizer, progress, step_bar
 
 DATA = "data.pt"
 METRICS = "training.json"
 MASK_TOKEN = "<|mask|>"
 GAMMAS = {8: 4.0, 10: 5.0, 16: 7.0}  # DFlash's loss-decay constants per block size
-DRAFTER_HELP = {
-    "num_layers": "drafter transformer layers",
-    "block_size": "tokens per draft block (the root and block_size - 1 drafts)",
-    "target_layer_ids": "comma-separated target layers to take features from; '' = DFlash's rule",
-    "mask_token_id": "token id of the mask placeholder; -1 = the tokenizer's <|mask|>",
-    "gamma": "loss decay over block positions; 0 = DFlash's value for the block size (7 for 16)",
-    "num_sequences": "target continuations to generate as training data",
-    "prompt_min": "shortest prompt, in tokens",
-    "prompt_max": "longest prompt, in tokens",
-    "continuation": "tokens the target continues each prompt with",
-    "sample_fraction": "share of generation batches sampled at T=1 (the rest greedy)",
-    "gen_batch_size": "prompts per target generation batch",
-    "anchors": "blocks per sequence per step (random anchor positions)",
-    "eval_prompts": "held-out prompts for the final tau evaluation; 0 = skip it",
-    "eval_prompt_len": "tokens per held-out prompt",
-    "eval_new_tokens": "tokens generated per held-out prompt",
-    "eval_budget": "ddtree budget of the final evaluation",
-}
-
-
-@dataclass(frozen=True)
-class DrafterConfig:
-    """Drafter shape, data and optimisation; a resumed run must agree on all but ``RUN_FIELDS``."""
-
-    num_layers: int = 1
-    block_size: int = 16
-    target_layer_ids: str = ""  # comma-separated target layers to take features from; "" = DFlash's rule
-    mask_token_id: int = -1  # -1: the tokenizer's <|mask|>
-    gamma: float = 0.0  # loss decay; 0 = DFlash's value for the block size (7 for 16, 5 for 10, 4 for 8)
-    # data: the target's continuations of prompts
-    num_sequences: int = 4096
-    prompt_min: int = 32
-    prompt_max: int = 128
-    continuation: int = 128
-    sample_fraction: float = 0.5  # share of generation batches sampled at T=1 (the rest greedy)
-    gen_batch_size: int = 64
-    # optimisation
-    batch_size: int = 8  # sequences per step
-    anchors: int = 16  # blocks per sequence per step
-    steps: int = 2000
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    seed: int = 0
-    bf16_autocast: bool = True  # drafter forward/backward in bf16 on CPU; master weights stay fp32
-    ckpt_every: int = 200
-    save_dtype: str = "bfloat16"
-    max_minutes: float = 0.0  # 0: no limit; else the schedule ends early when training time runs out
-    # final evaluation: tau of dflash and ddtree on held-out prompts, greedy
-    eval_prompts: int = 16  # 0: skip the evaluation
-    eval_prompt_len: int = 64
-    eval_new_tokens: int = 128
-    eval_budget: int = 32
-
-    def __post_init__(self) -> None:
-        positive = (
-            "num_layers",
-            "prompt_min",
-            "prompt_max",
-            "continuation",
-            "num_sequences",
-            "gen_batch_size",
-            "batch_size",
-            "anchors",
-            "steps",
-            "lr",
-            "ckpt_every",
-            "eval_prompt_len",
-            "eval_new_tokens",
-            "eval_budget",
-        )
-        check_config(self, positive)
-        if self.block_size < 2:
-            raise DDTreeError(f"block_size must be >= 2, got {self.block_size}")
-        if self.prompt_min > self.prompt_max:
-            raise DDTreeError(f"prompt_min {self.prompt_min} must be <= prompt_max {self.prompt_max}")
-        if not 0 <= self.sample_fraction <= 1 or not 0 <= self.min_lr_ratio <= 1:
-            raise DDTreeError("sample_fraction and min_lr_ratio must be in [0, 1]")
-        if min(self.warmup_steps, self.max_minutes, self.gamma, self.eval_prompts, self.weight_decay) < 0:
-            raise DDTreeError("warmup_steps, max_minutes, gamma, eval_prompts, weight_decay must be >= 0")
-        self.layer_ids()  # validates the syntax
-
-    def layer_ids(self) -> list[int] | None:
-        if not self.target_layer_ids.strip():
-            return None
-        try:
-            return [int(x) for x in self.target_layer_ids.split(",")]
-        except ValueError:
-            raise DDTreeError(
-                f"target_layer_ids must be comma-separated integers, got {self.target_layer_ids!r}"
-            ) from None
 
 
 RUN_FIELDS = {
@@ -630,58 +536,3 @@ def train_drafter(
     metrics["history"] = history[:: max(1, len(history) // 200)]  # a plottable loss curve, <= ~200 points
     (out / METRICS).write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
-
-
-# -- command line --------------------------------------------------------------------------------------
-
-
-def register_drafter(train_subparsers: argparse._SubParsersAction) -> None:
-    """Add ``drafter`` to the ``train`` subcommands; options are generated from :class:`DrafterConfig`."""
-    p = train_subparsers.add_parser(
-        "drafter",
-        help="a DFlash drafter for a target, on its own continuations",
-        description="Train a DFlash drafter for a local Qwen3 / Llama target on the target's own\n"
-        "continuations and save it in the public DFlash checkpoint format (resumable).",
-        epilog="example (a few minutes on a CPU):\n"
-        "  ddtree train drafter --target DIR --out runs/drafter-model --num-sequences 256 --steps 200",
-    )
-    p.add_argument("--target", type=Path, required=True, help="HF target directory (with its tokenizer)")
-    p.add_argument("--out", type=Path, required=True, help="directory for the drafter (public DFlash format)")
-    p.add_argument(
-        "--prompts",
-        type=Path,
-        default=None,
-        help="prompts file (.jsonl, or text: one per line) instead of corpus windows",
-    )
-    p.add_argument(
-        "--corpus-root", type=Path, default=None, help="corpus root (this interpreter's stdlib if omitted)"
-    )
-    p.add_argument("--work-dir", type=Path, default=Path("runs/drafter"), help="checkpoint and data cache")
-    p.add_argument("--data", type=Path, default=None, help="data cache file (WORK_DIR/data.pt if omitted)")
-    p.add_argument("--resume", action="store_true", help="continue from WORK_DIR/checkpoint.pt")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (torch's default if omitted)")
-    p.add_argument(
-        "--until-step",
-        type=int,
-        default=None,
-        help="checkpoint and stop after this step without finishing (resume later)",
-    )
-    add_dataclass_flags(p, DrafterConfig, COMMON_HELP | DRAFTER_HELP)
-    p.set_defaults(func=_run_drafter)
-
-
-def _run_drafter(args: argparse.Namespace) -> None:
-    cfg = dataclass_from_args(DrafterConfig, args)
-    metrics = train_drafter(
-        args.target,
-        args.out,
-        cfg,
-        prompts=args.prompts,
-        corpus_root=args.corpus_root,
-        work_dir=args.work_dir,
-        data_path=args.data,
-        resume=args.resume,
-        threads=args.threads,
-        until_step=args.until_step,
-    )
-    print(json.dumps({k: v for k, v in metrics.items() if k not in ("config", "history")}, indent=2))

@@ -8,7 +8,8 @@ from dataclasses import fields
 from typing import TypeVar
 
 from ddtree.errors import DDTreeError
-from ddtree.training.checkpoint import SAVE_DTYPES
+
+SAVE_DTYPE_NAMES = ("bfloat16", "float32")  # the final weights' ``save_dtype`` (torch dtypes of these names)
 
 T = TypeVar("T")
 
@@ -55,5 +56,5 @@ def check_config(cfg, positive: tuple[str, ...]) -> None:
     for name in positive:
         if not getattr(cfg, name) > 0:
             raise DDTreeError(f"{name} must be > 0, got {getattr(cfg, name)!r}")
-    if cfg.save_dtype not in SAVE_DTYPES:
-        raise DDTreeError(f"save_dtype must be one of {sorted(SAVE_DTYPES)}, got {cfg.save_dtype!r}")
+    if cfg.save_dtype not in SAVE_DTYPE_NAMES:
+        raise DDTreeError(f"save_dtype must be one of {sorted(SAVE_DTYPE_NAMES)}, got {cfg.save_dtype!r}")

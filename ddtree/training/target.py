@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -19,76 +19,14 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
-from ddtree.errors import DDTreeError
 from ddtree.training.checkpoint import CHECKPOINT, SAVE_DTYPES, load_checkpoint, save_checkpoint
+from ddtree.training.configs import MAX_LENGTH, TargetConfig
 from ddtree.training.data import sample_batch, token_stream
 from ddtree.training.evaluate import heldout_ce, unigram_ce
-from ddtree.training.flags import check_config
 from ddtree.training.loop import autocast, lr_at, make_optimizer, progress, step_bar
-from ddtree.training.tokenizer import MAX_LENGTH, load_tokenizer
+from ddtree.training.tokenizer import load_tokenizer
 
 METRICS = "training.json"
-
-
-TARGET_HELP = {
-    "hidden_size": "model width",
-    "num_layers": "transformer layers",
-    "num_heads": "attention heads",
-    "num_kv_heads": "key/value heads (grouped-query attention)",
-    "head_dim": "dimension per attention head",
-    "intermediate_size": "MLP width",
-    "seq_len": "tokens per training sequence",
-    "eval_every": "evaluate held-out loss every N steps; 0 = only at the end",
-}
-
-
-@dataclass(frozen=True)
-class TargetConfig:
-    """Model shape and optimisation schedule; everything a resumed run must agree on except ``RUN_FIELDS``."""
-
-    hidden_size: int = 256
-    num_layers: int = 6
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 64
-    intermediate_size: int = 768
-    seq_len: int = 512
-    batch_size: int = 8
-    steps: int = 2600
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    seed: int = 0
-    bf16_autocast: bool = True  # ~1.4x faster on AVX512-BF16 CPUs; master weights stay fp32
-    ckpt_every: int = 200
-    eval_every: int = 0  # 0: evaluate held-out loss only at the end
-    save_dtype: str = "bfloat16"
-    max_minutes: float = 0.0  # 0: no limit; else the schedule ends early when training time runs out
-
-    def __post_init__(self) -> None:
-        positive = (
-            "hidden_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "intermediate_size",
-            "seq_len",
-            "batch_size",
-            "steps",
-            "lr",
-            "ckpt_every",
-        )
-        check_config(self, positive)
-        if self.num_heads % self.num_kv_heads:
-            heads = f"num_heads {self.num_heads}, num_kv_heads {self.num_kv_heads}"
-            raise DDTreeError(f"num_heads must be a multiple of num_kv_heads, got {heads}")
-        if self.seq_len > MAX_LENGTH:
-            raise DDTreeError(f"seq_len must be <= {MAX_LENGTH}, got {self.seq_len}")
-        if min(self.warmup_steps, self.eval_every, self.max_minutes) < 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise DDTreeError("warmup_steps, eval_every, max_minutes must be >= 0 and min_lr_ratio in [0, 1]")
 
 
 RUN_FIELDS = {"steps", "ckpt_every", "eval_every", "save_dtype", "max_minutes"}  # may change when resuming

@@ -13,11 +13,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from ddtree.errors import DDTreeError
+from ddtree.training.configs import MAX_LENGTH
 from ddtree.training.corpus import corpus_files, corpus_texts
 
 EOS = "<|endoftext|>"  # separates documents; also bos and pad
 MASK = "<|mask|>"  # the DFlash drafter's placeholder for not-yet-drafted positions
-MAX_LENGTH = 2048
 
 
 def train_tokenizer(out: str | Path, vocab_size: int = 4096, root: str | Path | None = None) -> Path:

@@ -15,53 +15,16 @@ engine.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import xgrammar as xgr
 
 from ddtree.errors import DDTreeError
+from ddtree.params import StructuredOutputs
 
-MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema, regex, grammar or the choices together
 COMPILE_SECONDS = 10.0
-
-
-@dataclass(frozen=True)
-class StructuredOutputs:
-    """Exactly one constraint (vLLM's ``structured_outputs`` fields; OpenAI's ``response_format``
-    ``json_schema`` is ``json``, ``json_object`` is ``json_object=True``)."""
-
-    json: str | None = None  # a JSON schema, serialised (hashable, and what xgrammar takes)
-    regex: str | None = None
-    choice: tuple[str, ...] | None = None
-    grammar: str | None = None  # EBNF (xgrammar's dialect of GBNF)
-    json_object: bool = False
-
-    def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
-        given += ["json_object"] if self.json_object else []
-        if len(given) != 1:
-            raise DDTreeError(
-                "structured outputs take exactly one of json, regex, choice, grammar, json_object; "
-                f"got {', '.join(given) or 'none'}"
-            )
-        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
-            raise DDTreeError("structured outputs' choice must be a non-empty list of strings")
-        size = sum(len(x) for x in (self.json, self.regex, self.grammar) if x) + sum(
-            map(len, self.choice or ())
-        )
-        if size > MAX_CONSTRAINT_CHARS:
-            raise DDTreeError(
-                f"the structured-output constraint has {size} characters; at most {MAX_CONSTRAINT_CHARS}"
-            )
-
-    @classmethod
-    def of_schema(cls, schema: dict | str) -> StructuredOutputs:
-        """A JSON schema given as an object or as its text."""
-        return cls(json=schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True))
 
 
 class GrammarCompiler:
@@ -117,6 +80,7 @@ class GrammarState:
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)  # rollback is unbounded in xgrammar >= 0.2
         self.vocab_size = vocab_size
+        self.mask_width = xgr.get_bitmask_shape(1, vocab_size)[1]  # W = ceil(V / 32) int32 words
 
     @property
     def terminated(self) -> bool:

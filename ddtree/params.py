@@ -5,6 +5,7 @@ server, bench, training) checks with these functions, so a rule and its message 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -94,6 +95,44 @@ def lossy_threshold_fields(single: float, acc: float) -> dict[str, float]:
     return {"accept_threshold_single": single, "accept_threshold_acc": acc}
 
 
+MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema, regex, grammar or the choices together
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Exactly one constraint (vLLM's ``structured_outputs`` fields; OpenAI's ``response_format``
+    ``json_schema`` is ``json``, ``json_object`` is ``json_object=True``)."""
+
+    json: str | None = None  # a JSON schema, serialised (hashable, and what xgrammar takes)
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None  # EBNF (xgrammar's dialect of GBNF)
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise DDTreeError(
+                "structured outputs take exactly one of json, regex, choice, grammar, json_object; "
+                f"got {', '.join(given) or 'none'}"
+            )
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise DDTreeError("structured outputs' choice must be a non-empty list of strings")
+        size = sum(len(x) for x in (self.json, self.regex, self.grammar) if x) + sum(
+            map(len, self.choice or ())
+        )
+        if size > MAX_CONSTRAINT_CHARS:
+            raise DDTreeError(
+                f"the structured-output constraint has {size} characters; at most {MAX_CONSTRAINT_CHARS}"
+            )
+
+    @classmethod
+    def of_schema(cls, schema: dict | str) -> StructuredOutputs:
+        """A JSON schema given as an object or as its text."""
+        return cls(json=schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What the user asks of the target's distribution.
@@ -114,6 +153,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; n >= 0 = the emitted token's logprob plus the top n
     detokenize: bool = True  # False: deltas carry token ids only (as vLLM's); the caller makes the text
+    structured_outputs: StructuredOutputs | None = None  # what the text must match (``ddtree.grammar``)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -138,6 +178,8 @@ class SamplingParams:
             raise DDTreeError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise DDTreeError("stop strings must be non-empty strings")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise DDTreeError("structured_outputs must be a StructuredOutputs")
 
     @property
     def greedy(self) -> bool:

@@ -11,8 +11,9 @@ import torch
 import xgrammar as xgr
 
 from ddtree.errors import DDTreeError
-from ddtree.grammar import GrammarCompiler, StructuredOutputs, apply_masks
+from ddtree.grammar import GrammarCompiler, apply_masks
 from ddtree.models import DEFAULT_TARGET, load_tokenizer
+from ddtree.params import StructuredOutputs
 
 SCHEMA = {
     "type": "object",

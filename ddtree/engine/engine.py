@@ -27,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,7 +44,7 @@ from ddtree.engine.proposer import Proposer
 from ddtree.engine.request import GenerationResult, GenerationStats, Request, StreamDelta
 from ddtree.engine.scheduler import Chunk, Scheduler
 from ddtree.engine.step_channel import StepChannel, close_channel
-from ddtree.engine.verifier import Verifier, delta_of
+from ddtree.engine.verifier import Verifier, advance_grammar, delta_of
 from ddtree.errors import DDTreeError
 from ddtree.models import (
     DEFAULT_DRAFTER,
@@ -59,10 +60,14 @@ from ddtree.models import (
 from ddtree.params import (
     AUTO,
     SamplingParams,
+    StructuredOutputs,
     check_accept_thresholds,
     check_speculative_options,
     parse_size,
 )
+
+if TYPE_CHECKING:
+    from ddtree.grammar import GrammarCompiler, GrammarState
 
 PREFILL_GAP_ROUNDS = 4.0  # while requests decode, a prefill step takes about this many rounds' time at most
 
@@ -170,6 +175,7 @@ class Engine:
         check_target_attention(target.config.to_dict(), "target", self.max_model_len)
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = eos_token_ids(target, tokenizer)
+        self._grammars: GrammarCompiler | None = None  # made at the first structured-output request
         self.profile = profile  # time every stage (waits for the device at each stage boundary)
         cache_config = CacheConfig(
             block_size,
@@ -412,6 +418,7 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
                 f"exceeds the context of {self.max_model_len} tokens (max_model_len)"
             )
+        grammar = None if params.structured_outputs is None else self._grammar(params.structured_outputs)
         request_id = self.scheduler.new_id(request_id)
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(1 << 62)
         self.scheduler.waiting.append(
@@ -432,9 +439,22 @@ class Engine:
                 generator=torch.Generator(device=self.device).manual_seed(seed),
                 auto_width=self.auto.start_width,
                 cache_salt=cache_salt,
+                grammar=grammar,
             )
         )
         return request_id
+
+    def _grammar(self, spec: StructuredOutputs) -> GrammarState:
+        """A new request's place at the start of its grammar, compiled (and cached) now, so that a bad
+        constraint fails ``add_request`` and nothing else."""
+        if self.tokenizer is None:
+            raise DDTreeError("structured outputs need the target's tokenizer; this target has none")
+        if self._grammars is None:
+            from ddtree.grammar import GrammarCompiler  # xgrammar: only for engines that need it
+
+            vocab = self.runner.lm_head.weight.shape[0]
+            self._grammars = GrammarCompiler(self.tokenizer, vocab, sorted(self.eos_token_ids))
+        return self._grammars.state(spec)
 
     def reset_prefix_cache(self) -> None:
         """Forget the cached prefixes no running request holds (vLLM's ``reset_prefix_cache``): the next
@@ -624,6 +644,7 @@ class Engine:
             r.output.write(
                 [r.root], token_logprobs(logits[i : i + 1], [r.root], r.params.logprobs) if want else None
             )
+            advance_grammar(r, 0)
             deltas.append(delta_of(r, 0))
         self.scheduler.cache_blocks(batch)
         self._release_finished([batch[i] for i in done])

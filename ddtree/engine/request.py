@@ -7,12 +7,16 @@ parts own its fields as their docstrings say.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ddtree.commit import OutputState, TokenLogprobs
 from ddtree.params import AUTO, SamplingParams, lossy_threshold_fields
 from ddtree.stats import mean_acceptance_length
+
+if TYPE_CHECKING:  # xgrammar is imported only by engines that get a structured-output request
+    from ddtree.grammar import GrammarState
 
 STAGES = ("draft", "tree", "inputs", "verify", "accept", "commit")
 
@@ -153,6 +157,7 @@ class Request:
     features: list[torch.Tensor] = field(default_factory=list)  # [C_i, F * H] per round not drafted on
     auto_width: int = 8  # budget "auto": drafted nodes chosen last time (sizes the next candidate tree)
     cache_salt: str | None = None  # requests with different salts share no cached block
+    grammar: GrammarState | None = None  # structured outputs: where its output is in its grammar
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks so far
     cached_blocks: int = 0  # of its blocks, those already indexed in the prefix cache (or examined)
 

@@ -65,6 +65,10 @@ class Verifier:
 
     def first_tokens(self, logits: torch.Tensor, batch: list[Request]) -> list[int]:
         """The first token of each request, straight from the prefill logits [B, V]."""
+        constrained = [i for i, r in enumerate(batch) if r.grammar is not None]
+        if constrained:
+            masks = torch.stack([batch[i].grammar.next_mask() for i in constrained])  # [C, W]
+            logits[constrained] = masked(logits[constrained], masks)
         tokens = logits.argmax(dim=-1)  # [B]
         sampled = [i for i, r in enumerate(batch) if not r.params.greedy]
         if sampled:
@@ -131,6 +135,7 @@ class Verifier:
         The LM head runs either over every node at once or, one depth at a time, over each row's current
         node only (``visit_nodes``); both give the same verdicts."""
         trees = trees.read_depth()  # the round's second host read, while the verify forward runs
+        masks = tree_grammar_masks(rows, trees)  # [B, N, W] or None (no structured-output row)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         parts = []
@@ -140,10 +145,11 @@ class Verifier:
             whole = len(group) == len(rows)
             sub = trees if whole else trees.select(group)
             states = hidden if whole else hidden[group]  # [G, N, H]
+            allowed = None if masks is None else masks if whole else masks[group]  # [G, N, W]
             if group is greedy:
-                parts.append((group, self._greedy(sub, states)))
+                parts.append((group, self._greedy(sub, states, allowed)))
             else:
-                parts.append((group, self._sample(rows, group, sub, states)))
+                parts.append((group, self._sample(rows, group, sub, states, allowed)))
         if len(parts) == 1:
             return parts[0][1]
         b, steps, device = len(rows), trees.depth + 1, hidden.device
@@ -172,31 +178,46 @@ class Verifier:
         walk = (trees.depth + 1) * max(g, floor)
         return walk < max(g * n, floor) or g * n * per_node_entries > SAMPLE_ENTRIES
 
-    def _greedy(self, trees: TreeBatch, states: torch.Tensor) -> Accepted:
-        """Greedy verdicts of these rows from their hidden states [G, N, H]."""
+    def _greedy(self, trees: TreeBatch, states: torch.Tensor, allowed: torch.Tensor | None) -> Accepted:
+        """Greedy verdicts of these rows from their hidden states [G, N, H] (and, for structured outputs,
+        each node's allowed tokens [G, N, W]: the argmax is the constrained one)."""
         head = self.runner.lm_head
         if self.visit_nodes(trees):
             rows = torch.arange(states.shape[0], device=states.device)
-            return walk_greedy(trees, lambda cur: head(states[rows, cur]).argmax(dim=-1))
+            return walk_greedy(
+                trees, lambda cur: masked(head(states[rows, cur]), allowed, rows, cur).argmax(dim=-1)
+            )
         # All nodes, ARGMAX_CHUNK_ENTRIES // V at a time: at a 152k vocabulary, all of 16 rows x 257 nodes
         # at once would be 2.5 GB of logits.
         flat = states.reshape(-1, states.shape[-1])  # [G * N, H]
+        flat_allowed = None if allowed is None else allowed.reshape(-1, allowed.shape[-1])  # [G * N, W]
         step = max(1, ARGMAX_CHUNK_ENTRIES // head.weight.shape[0])
-        argmax = [head(flat[i : i + step]).argmax(dim=-1) for i in range(0, flat.shape[0], step)]
+        argmax = [
+            masked(head(flat[i : i + step]), flat_allowed, slice(i, i + step)).argmax(dim=-1)
+            for i in range(0, flat.shape[0], step)
+        ]
         return accept_greedy(trees, torch.cat(argmax).view(states.shape[:2]))
 
     def _sample(
-        self, rows: list[Request], group: list[int], trees: TreeBatch, states: torch.Tensor
+        self,
+        rows: list[Request],
+        group: list[int],
+        trees: TreeBatch,
+        states: torch.Tensor,
+        allowed: torch.Tensor | None,
     ) -> Accepted:
-        """Tree rejection sampling of the rows ``group`` (their trees and hidden states [S, N, H])."""
+        """Tree rejection sampling of the rows ``group`` (their trees and hidden states [S, N, H]; for
+        structured outputs each node's allowed tokens [S, N, W], which the target's law is restricted to)."""
         device = states.device
         head = self.runner.lm_head
         sampling = SamplingTensors.from_params([rows[i].params for i in group], device)
         if self.visit_nodes(trees, per_node_entries=head.weight.shape[0]):
             at = torch.arange(states.shape[0], device=device)
-            probs = lambda cur: filtered_probs(head(states[at, cur])[:, None], sampling)[:, 0]  # noqa: E731
+            probs = lambda cur: filtered_probs(  # noqa: E731
+                masked(head(states[at, cur]), allowed, at, cur)[:, None], sampling
+            )[:, 0]
         else:
-            probs = filtered_probs(head(states), sampling)  # [S, N, V]
+            probs = filtered_probs(masked(head(states), allowed), sampling)  # [S, N, V]
         coins = torch.zeros(trees.tokens.shape, dtype=torch.float32, device=device)  # [S, N]
         finals = []
         for k, i in enumerate(group):
@@ -236,6 +257,7 @@ class Verifier:
                 logprobs = token_logprobs(self.runner.lm_head(hidden[i, nodes]), tokens, r.params.logprobs)
             before = len(r.output.token_ids)
             taken = r.output.write(tokens, logprobs)
+            advance_grammar(r, before)
             if r.drafts:  # rows that skipped the drafter this round keep their earlier features too
                 r.features.append(kept[i, :m])
             r.start += m
@@ -244,6 +266,39 @@ class Verifier:
             r.stats.decode_tokens += taken
             deltas.append(delta_of(r, before))
         return deltas, verdicts
+
+
+def advance_grammar(r: Request, before: int) -> None:
+    """Move a structured-output request's grammar past the tokens its output took since ``before``."""
+    if r.grammar is not None:
+        r.grammar.accept(r.output.token_ids[before:])
+
+
+def tree_grammar_masks(rows: list[Request], trees: TreeBatch) -> torch.Tensor | None:
+    """[B, N, W] int32: the tokens each node's grammar allows next (every token for rows without
+    structured outputs and for padding), or None when no row has a grammar. Its rows' trees come to the
+    host in one copy (the round's one extra read, for structured outputs only), where xgrammar walks them."""
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if not constrained:
+        return None
+    device = trees.tokens.device
+    grammar = rows[constrained[0]].grammar
+    nodes = torch.stack((trees.tokens, trees.parents), dim=1)[constrained].cpu().numpy()  # [C, 2, N]
+    masks = torch.full((len(rows), trees.tokens.shape[1], grammar.mask_width), -1, dtype=torch.int32)
+    for k, i in enumerate(constrained):
+        m = int(trees.sizes[i])
+        masks[i, :m] = rows[i].grammar.tree_masks(nodes[k, 0, :m], nodes[k, 1, :m])
+    return upload(masks.numpy(), device)
+
+
+def masked(logits: torch.Tensor, allowed: torch.Tensor | None, *index) -> torch.Tensor:
+    """``logits`` [..., V] with what ``allowed[index]`` [..., W] forbids at -inf (structured outputs);
+    unchanged without masks."""
+    if allowed is None:
+        return logits
+    from ddtree.grammar import apply_masks
+
+    return apply_masks(logits, allowed[index] if index else allowed)
 
 
 def delta_of(r: Request, before: int) -> StreamDelta:

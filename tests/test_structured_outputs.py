@@ -1,0 +1,125 @@
+"""Structured outputs through the draft tree: every node's target distribution is the grammar-masked one,
+so constrained ``ddtree`` and ``dflash`` emit exactly constrained plain decoding's tokens, whatever the
+budget and whoever shares the batch, and every output matches its constraint."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from ddtree import Engine, SamplingParams
+from ddtree.errors import DDTreeError
+from ddtree.params import StructuredOutputs
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+REGEX = r"def [a-z_]{1,12}\((x|n)\):"
+CHOICES = ("yes", "no", "maybe so")
+CONSTRAINTS = {
+    "json": StructuredOutputs.of_schema(SCHEMA),
+    "regex": StructuredOutputs(regex=REGEX),
+    "choice": StructuredOutputs(choice=CHOICES),
+}
+PROMPTS = ["def fibonacci(n):", "class Stack:", "import os"]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine.from_pretrained(max_num_seqs=16, budget=16)
+
+
+def check(kind: str, text: str, finished: bool = True) -> None:
+    """A finished text matches its constraint (the stop token ended it). One cut by max_new_tokens is a
+    prefix of a match: JSON allows any whitespace, and a model may spend its tokens on it."""
+    if not finished:
+        return
+    if kind == "json":
+        value = json.loads(text)
+        assert set(value) == {"name", "age"} and isinstance(value["age"], int), text
+        assert isinstance(value["name"], str) and len(value["name"]) <= 12, text
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    else:
+        assert text in CHOICES, text
+
+
+def run(engine: Engine, specs: list[tuple[str, SamplingParams, str, int | None]]) -> list[str]:
+    """All the requests in one batch; their texts in order."""
+    ids = [engine.add_request(p, params, method=m, budget=b) for p, params, m, b in specs]
+    texts = dict.fromkeys(ids, "")
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            texts[delta.request_id] += delta.text
+    return [texts[i] for i in ids]
+
+
+@pytest.mark.parametrize("kind", list(CONSTRAINTS))
+def test_greedy_ddtree_and_dflash_emit_constrained_plain_decodings_tokens_at_every_budget(engine, kind):
+    params = SamplingParams(max_new_tokens=48, structured_outputs=CONSTRAINTS[kind])
+    results = [engine.generate(p, params, method="ar") for p in PROMPTS]
+    for r in results:
+        check(kind, r.text, r.finish_reason == "stop")
+    assert sum(r.finish_reason == "stop" for r in results) >= 2  # the checks above checked something
+    reference = [r.token_ids for r in results]
+    for method, budget in (("dflash", None), ("ddtree", 1), ("ddtree", 16), ("ddtree", 64)):
+        got = [engine.generate(p, params, method=method, budget=budget).token_ids for p in PROMPTS]
+        assert got == reference, (method, budget)
+
+
+def test_constrained_and_free_requests_share_a_batch_and_each_gets_its_solo_output(engine):
+    free = SamplingParams(max_new_tokens=24)
+    specs = []
+    for i, kind in enumerate(CONSTRAINTS):
+        params = SamplingParams(max_new_tokens=48, structured_outputs=CONSTRAINTS[kind])
+        specs.append((PROMPTS[i], params, "ddtree", 16))
+        specs.append((PROMPTS[i], free, "ddtree", 16))
+    seeded = SamplingParams(
+        temperature=0.8, seed=5, max_new_tokens=48, structured_outputs=CONSTRAINTS["json"]
+    )
+    specs.append((PROMPTS[0], seeded, "ddtree", 16))
+    batched = run(engine, specs)
+    solo = [run(engine, [spec])[0] for spec in specs]
+    assert batched == solo
+    unconstrained = [engine.generate(p, free, method="ar").text for p in PROMPTS]
+    assert batched[1::2][:3] == unconstrained  # the free rows: plain decoding, untouched by the masks
+    for kind, text in zip(CONSTRAINTS, batched[0::2], strict=False):
+        check(kind, text, finished=kind != "json" or text.endswith("}"))
+
+
+def test_seeded_samples_match_their_constraint_and_repeat(engine):
+    for kind, spec in CONSTRAINTS.items():
+        for seed in range(3):
+            params = SamplingParams(
+                temperature=1.0, top_p=0.95, seed=seed, max_new_tokens=48, structured_outputs=spec
+            )
+            first = engine.generate(PROMPTS[seed], params, method="ddtree")
+            check(kind, first.text, first.finish_reason == "stop")
+            assert engine.generate(PROMPTS[seed], params, method="ddtree").text == first.text
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            lambda: StructuredOutputs(json='{"type": "object", "properties": 5}'),
+            "invalid structured-output json",
+        ),
+        (lambda: StructuredOutputs(regex="(unclosed"), "invalid structured-output regex"),
+    ],
+)
+def test_a_constraint_that_cannot_compile_fails_add_request_in_one_line_and_nothing_else(
+    engine, spec, message
+):
+    other = engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=4))
+    with pytest.raises(DDTreeError, match=message) as info:
+        engine.add_request(PROMPTS[1], SamplingParams(structured_outputs=spec()))
+    assert "\n" not in str(info.value)
+    assert engine.scheduler.find(other) is not None and engine.num_waiting == 1
+    while engine.has_unfinished_requests():
+        engine.step()

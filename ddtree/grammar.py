@@ -33,7 +33,12 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int] | None = None) -> None:
         stops = list(stop_token_ids) if stop_token_ids else None
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
+        try:
+            self.info = xgr.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=vocab_size, stop_token_ids=stops
+            )
+        except ValueError as exc:  # e.g. no stop token: a grammar could never end
+            raise DDTreeError(f"structured outputs cannot use this tokenizer: {exc}") from None
         self.vocab_size = vocab_size
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")

@@ -4,11 +4,18 @@ budget and whoever shares the batch, and every output matches its constraint."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
+from dataclasses import replace
 
+import numpy as np
 import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
+import tests.test_sampling_lossless as lossless
 from ddtree import Engine, SamplingParams
 from ddtree.errors import DDTreeError
 from ddtree.params import StructuredOutputs
@@ -123,3 +130,40 @@ def test_a_constraint_that_cannot_compile_fails_add_request_in_one_line_and_noth
     assert engine.scheduler.find(other) is not None and engine.num_waiting == 1
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token a character, a..f (f the end of text), for the 6-token target of the sampling tests."""
+    model = Tokenizer(models.WordLevel({c: i for i, c in enumerate("abcdef")}, unk_token="a"))
+    model.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=model, eos_token="f")
+
+
+@torch.inference_mode()
+def masked_law(target, params: SamplingParams, allowed: list[set[int]]) -> np.ndarray:
+    """p(a, b, c) with each step's logits restricted to ``allowed[step]`` before the sampling filters."""
+    law = torch.ones(1, dtype=torch.float64)
+    for depth in range(lossless.NEW_TOKENS):
+        prefixes = itertools.product(range(lossless.VOCAB), repeat=depth)
+        ids = torch.tensor([lossless.PROMPT + list(p) for p in prefixes])  # [V^depth, P + depth]
+        logits = target(input_ids=ids).logits[:, -1].double()  # [V^depth, V]
+        forbidden = [t for t in range(lossless.VOCAB) if t not in allowed[depth]]
+        logits[:, forbidden] = -torch.inf
+        law = (law[:, None] * lossless.hf_probs(logits, params)).flatten()
+    return (law / law.sum()).numpy()
+
+
+def test_sampled_ddtree_follows_the_grammar_masked_target_distribution():
+    """A G-test: 3-token continuations of the sampling tests' 6-token target under the regex
+    [ab][a-d][bce], sampled through trees (budget 4 of a random drafter: mostly forbidden nodes, some
+    accepted) and batched with free companions, against the law enumerated with each step masked."""
+    target, drafter = lossless.build_models()
+    engine = Engine(target, drafter, tokenizer=char_tokenizer(), budget=lossless.BUDGET, max_num_seqs=128)
+    spec = StructuredOutputs(regex="[ab][a-d][bce]")
+    params = replace(lossless.SETTINGS["T=1"], structured_outputs=spec)
+    draws = lossless.draw(engine, "ddtree", params, lossless.N_FAST, seed=11, batch=128)
+    law = masked_law(target, params, [{0, 1}, {0, 1, 2, 3}, {1, 2, 4}])
+    chi2_p, g_p = lossless.fit_p_values(draws.counts, law)
+    print(f"ddtree under a regex n={lossless.N_FAST}: chi-square p={chi2_p:.3g} G-test p={g_p:.3g}")
+    assert draws.multi_token_rounds > 0  # drafted nodes were accepted under the masks
+    assert chi2_p > lossless.P_PASS and g_p > lossless.P_PASS, (chi2_p, g_p)

@@ -7,14 +7,14 @@ with no directories loads the built-in model pair.
 from importlib.metadata import PackageNotFoundError, version
 
 from ddtree.errors import DDTreeError
-from ddtree.params import SamplingParams
+from ddtree.params import SamplingParams, StructuredOutputs
 
 try:
     __version__ = version("ddtree")
 except PackageNotFoundError:  # a source tree on sys.path, not installed
     __version__ = "0+unknown"
 
-__all__ = ["DDTreeError", "DFlashDrafter", "Engine", "SamplingParams", "__version__"]
+__all__ = ["DDTreeError", "DFlashDrafter", "Engine", "SamplingParams", "StructuredOutputs", "__version__"]
 
 
 def __getattr__(name: str):

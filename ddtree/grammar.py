@@ -25,6 +25,7 @@ from ddtree.errors import DDTreeError
 from ddtree.params import StructuredOutputs
 
 COMPILE_SECONDS = 10.0
+CACHE_BYTES = 256 << 20  # compiled grammars kept for reuse (xgrammar evicts the least recently used)
 
 
 class GrammarCompiler:
@@ -40,7 +41,7 @@ class GrammarCompiler:
         except ValueError as exc:  # e.g. no stop token: a grammar could never end
             raise DDTreeError(f"structured outputs cannot use this tokenizer: {exc}") from None
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
 
     def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:

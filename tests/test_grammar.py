@@ -10,6 +10,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
+from ddtree import grammar
 from ddtree.errors import DDTreeError
 from ddtree.grammar import GrammarCompiler, apply_masks
 from ddtree.models import DEFAULT_TARGET, load_tokenizer
@@ -138,3 +139,13 @@ def test_a_schema_given_as_an_object_or_its_text_is_the_same_constraint():
     assert StructuredOutputs.of_schema(SCHEMA) == StructuredOutputs.of_schema(
         json.dumps(SCHEMA, sort_keys=True)
     )
+
+
+def test_compiling_past_the_time_bound_is_one_line_and_the_compiler_still_works(compiler, monkeypatch):
+    schema = {"type": "object", "properties": {f"f{i}": {"type": "string"} for i in range(40)}}
+    monkeypatch.setattr(grammar, "COMPILE_SECONDS", 1e-9)
+    with pytest.raises(DDTreeError, match="did not compile within") as info:
+        compiler.compile(StructuredOutputs.of_schema(schema))
+    assert "\n" not in str(info.value)
+    monkeypatch.setattr(grammar, "COMPILE_SECONDS", 10.0)
+    assert compiler.compile(CONSTRAINTS["regex"]) is not None

@@ -174,6 +174,7 @@ class Proposer:
             return TreeBatch.root_only(roots)
         if self.sampling_aware_trees:
             logits = self.sampling_aware(drafting, logits)
+        logits = grammar_first_level(drafting, logits)
         k = int(spec.topks.max())
         vals, ids = draft_candidates(logits, k)  # [D, depth, K] each
         if len(drafting) < b:  # rows that do not draft this round get candidates they never read
@@ -191,3 +192,18 @@ class Proposer:
         logits = logits.clone()
         logits[sampled] = filtered_probs(logits[sampled], sampling).log()  # [S, depth, V]
         return logits
+
+
+def grammar_first_level(drafting: list[Request], logits: torch.Tensor) -> torch.Tensor:
+    """Structured-output rows draft their first level from the tokens their grammar allows next (known
+    before the tree: what follows the root), so no depth-1 node is one the grammar forbids. Deeper levels
+    depend on the path and stay as drafted; verification masks every node either way."""
+    constrained = [i for i, r in enumerate(drafting) if r.grammar is not None]
+    if not constrained:
+        return logits
+    from ddtree.grammar import apply_masks  # xgrammar: only for engines that serve constrained requests
+
+    masks = torch.stack([drafting[i].grammar.next_mask() for i in constrained])  # [C, W]
+    logits = logits.clone()
+    logits[constrained, 0] = apply_masks(logits[constrained, 0], masks)  # [C, V]
+    return logits

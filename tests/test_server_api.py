@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -11,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from ddtree.engine import Engine
-from ddtree.params import SamplingParams
+from ddtree.params import SamplingParams, StructuredOutputs
 from ddtree.server import ServerConfig, create_app
 from ddtree.server.chat import plain_prompt
 from ddtree.server.tokens import TokenNames
@@ -107,9 +108,16 @@ BAD_REQUESTS = [
     (CH, CHAT | {"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
     (CH, CHAT | {"top_logprobs": 2}, "top_logprobs", None),
     (CH, CHAT | {"tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
-    (CH, CHAT | {"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
-    (CH, CHAT | {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format",
-     "unsupported_parameter"),
+    (CH, CHAT | {"response_format": {"type": "json_schema", "json_schema": {}}},
+     "response_format.json_schema.name", "missing_required_parameter"),
+    (CH, CHAT | {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+     None),
+    (CH, CHAT | {"response_format": {"type": "xml"}}, "response_format.type", None),
+    (CH, CHAT | {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "response_format", None),
+    (C, COMPLETION | {"structured_outputs": {}}, "structured_outputs", None),
+    (C, COMPLETION | {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", None),
+    (C, COMPLETION | {"structured_outputs": {"regex": "(unclosed"}}, None, None),
 ]
 # fmt: on
 
@@ -215,10 +223,63 @@ def test_unsupported_parameters_are_refused_in_our_words(http):
     tools = error_of(http.post(CH, json=CHAT | {"tools": [{"type": "function"}]}), 400)
     assert tools["message"] == "tools (function calling) are not supported by this server"
     assert http.post(CH, json=CHAT | {"tools": [], "response_format": {"type": "text"}}).status_code == 200
-    json_format = error_of(http.post(CH, json=CHAT | {"response_format": {"type": "json_object"}}), 400)
-    assert (
-        json_format["message"] == "response_format 'json_object' is not supported by this server; only 'text'"
-    )
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("path", "extra"),
+    [
+        (
+            CH,
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}},
+        ),
+        (CH, {"structured_outputs": {"json": SCHEMA}}),
+        (C, {"structured_outputs": {"json": json.dumps(SCHEMA)}}),
+        (CH, {"response_format": {"type": "json_object"}}),
+        (C, {"structured_outputs": {"choice": ["red", "green", "blue"]}}),
+        (C, {"structured_outputs": {"regex": "[a-c]{2}-[0-9]{3}"}}),
+    ],
+)
+def test_structured_outputs_constrain_the_answer_and_equal_the_engines_constrained_decoding(
+    http, engine, path, extra
+):
+    body = (CHAT if path == CH else COMPLETION) | {"max_tokens": 40, "temperature": 0} | extra
+    reply = http.post(path, json=body)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    text = choice["message"]["content"] if path == CH else choice["text"]
+    if choice["finish_reason"] == "stop":  # a JSON answer may also spend its tokens on whitespace
+        if "response_format" in extra and extra["response_format"]["type"] == "json_object":
+            assert isinstance(json.loads(text), dict)
+        elif "choice" in extra.get("structured_outputs", {}):
+            assert text in ("red", "green", "blue")
+        elif "regex" in extra.get("structured_outputs", {}):
+            assert re.fullmatch("[a-c]{2}-[0-9]{3}", text)
+        else:
+            value = json.loads(text)
+            assert set(value) == {"name", "n"} and isinstance(value["n"], int)
+    if path == C:  # the same tokens as the engine's own constrained decoding
+        spec = extra["structured_outputs"]
+        structured = StructuredOutputs(
+            json=StructuredOutputs.of_schema(spec["json"]).json if "json" in spec else None,
+            regex=spec.get("regex"),
+            choice=tuple(spec["choice"]) if "choice" in spec else None,
+        )
+        params = SamplingParams(max_new_tokens=40, structured_outputs=structured)
+        assert text == engine.generate("def", params).text
+
+
+def test_a_constraint_that_does_not_compile_is_a_400_before_anything_runs(http):
+    bad = error_of(http.post(C, json=COMPLETION | {"structured_outputs": {"regex": "(unclosed"}}), 400)
+    assert bad["message"].startswith("invalid structured-output regex") and "\n" not in bad["message"]
+    assert http.post(C, json=COMPLETION).status_code == 200  # the server goes on
 
 
 def test_batched_prompts_times_n_choices_are_indexed_prompt_major(http, engine):

@@ -444,6 +444,11 @@ class Engine:
         )
         return request_id
 
+    def check_structured_outputs(self, spec: StructuredOutputs) -> None:
+        """Compile ``spec``'s grammar now (cached for ``add_request``): a server calls it off the engine
+        thread, so a slow or bad constraint never holds a step. Raises DDTreeError on a bad one."""
+        self._grammar(spec)
+
     def _grammar(self, spec: StructuredOutputs) -> GrammarState:
         """A new request's place at the start of its grammar, compiled (and cached) now, so that a bad
         constraint fails ``add_request`` and nothing else."""

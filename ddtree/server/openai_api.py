@@ -15,7 +15,8 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from ddtree.params import SamplingParams, lossy_threshold_fields
+from ddtree.errors import DDTreeError
+from ddtree.params import SamplingParams, StructuredOutputs, lossy_threshold_fields
 from ddtree.server.chat import message_dicts
 from ddtree.server.errors import APIError, invalid, unsupported
 from ddtree.server.events import EventStreamResponse, event_stream, job_items, job_pieces
@@ -31,7 +32,9 @@ from ddtree.server.protocol import (
     GenerationRequest,
     ModelCard,
     ModelList,
+    ResponseFormat,
     SpeculativeOptions,
+    StructuredOutputsRequest,
 )
 from ddtree.server.responses import ChatAnswer, CompletionAnswer
 from ddtree.server.worker import Job, QueueFull, ShuttingDown
@@ -88,14 +91,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     if body.tools:
         raise unsupported("tools", "tools (function calling) are not supported by this server")
-    if body.response_format is not None and body.response_format.type != "text":
-        message = (
-            f"response_format {body.response_format.type!r} is not supported by this server; only 'text'"
-        )
-        raise unsupported("response_format", message)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     plan = Plan(
-        params=_sampling_params(body, logprobs),
+        params=_sampling_params(body, logprobs, body.response_format),
         max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
         n=body.n or 1,
         messages=message_dicts(body.messages),
@@ -116,6 +114,8 @@ async def _answer(
     answer.thresholds = lossy_threshold_fields(engine.accept_threshold_single, engine.accept_threshold_acc)
     metrics, config = state.metrics, state.config
     check_plan(plan, model.max_positions, state.token_chars, config.limits)
+    if plan.params.structured_outputs is not None:  # compiled here (cached), never on the engine thread
+        await asyncio.to_thread(engine.check_structured_outputs, plan.params.structured_outputs)
     # Chat template and tokenizer run here, in the event loop's thread pool: never on the engine thread.
     rows_id = uuid.uuid4().hex  # its engine rows are "<rows_id>-<choice>"
     generation = await asyncio.to_thread(Generation, model, plan, metrics, rows_id)
@@ -161,7 +161,9 @@ async def _answer(
     return answer.response()
 
 
-def _sampling_params(body: GenerationRequest, logprobs: int | None) -> SamplingParams:
+def _sampling_params(
+    body: GenerationRequest, logprobs: int | None, response_format: ResponseFormat | None = None
+) -> SamplingParams:
     """OpenAI's defaults (temperature 1, top_p 1); raises DDTreeError (a 400) on a bad combination."""
     if body.frequency_penalty:
         raise unsupported("frequency_penalty")
@@ -185,7 +187,36 @@ def _sampling_params(body: GenerationRequest, logprobs: int | None) -> SamplingP
         stop=tuple(stop),
         ignore_eos=bool(body.ignore_eos),
         logprobs=logprobs,
+        structured_outputs=_structured_outputs(body.structured_outputs, response_format),
     )
+
+
+def _structured_outputs(
+    request: StructuredOutputsRequest | None, response_format: ResponseFormat | None
+) -> StructuredOutputs | None:
+    """The constraint asked for by vLLM's ``structured_outputs`` or OpenAI's ``response_format`` (not
+    both); its grammar is compiled before the request is queued (``_answer``)."""
+    fmt = None if response_format is None or response_format.type == "text" else response_format
+    if request is not None and fmt is not None:
+        raise invalid("give structured_outputs or response_format, not both", "response_format")
+    if fmt is not None and fmt.type == "json_object":
+        return StructuredOutputs(json_object=True)
+    if fmt is not None:
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise invalid("response_format json_schema needs json_schema.schema", "response_format")
+        return StructuredOutputs.of_schema(fmt.json_schema.schema_)
+    if request is None:
+        return None
+    try:
+        return StructuredOutputs(
+            json=None if request.json_ is None else StructuredOutputs.of_schema(request.json_).json,
+            regex=request.regex,
+            choice=None if request.choice is None else tuple(request.choice),
+            grammar=request.grammar,
+            json_object=bool(request.json_object),
+        )
+    except DDTreeError as exc:
+        raise invalid(str(exc), "structured_outputs") from None
 
 
 def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:

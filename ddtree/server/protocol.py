@@ -52,6 +52,16 @@ class StreamOptions(_Strict):
     include_usage: bool | None = Field(None, description="send a last chunk with the usage (choices: [])")
 
 
+class StructuredOutputsRequest(_Strict):
+    """vLLM's ``structured_outputs`` request field (its names; one constraint)."""
+
+    json_: dict | str | None = Field(None, alias="json", description="a JSON schema (object or text)")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class GenerationRequest(_Strict):
     """Fields completions and chat share. ``None`` always means "the default"."""
 
@@ -80,6 +90,9 @@ class GenerationRequest(_Strict):
     )
     cache_salt: NonEmptyStr | None = Field(
         None, description="vLLM's extension: requests with different salts share no prefix-cache block"
+    )
+    structured_outputs: StructuredOutputsRequest | None = Field(
+        None, description="vLLM's extension: exactly one of json, regex, choice, grammar, json_object"
     )
     # Accepted and ignored (the server logs each name once): none of them changes the output.
     user: str | None = None
@@ -124,11 +137,21 @@ class ChatMessage(_Strict):
     tool_calls: list[dict] | None = None
 
 
-class ResponseFormat(_Strict):
-    """Only ``{"type": "text"}`` is served; another type (with its schema) is refused by name."""
+class JsonSchemaFormat(_Strict):
+    """OpenAI's ``response_format.json_schema``: the schema the answer must follow (always enforced, as
+    with ``strict: true``)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: str
+    name: str = Field(max_length=64)
+    schema_: dict | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` (any JSON object) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(GenerationRequest):

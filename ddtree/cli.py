@@ -27,6 +27,7 @@ from ddtree.argparsing import (
 from ddtree.bench.cli import register_bench
 from ddtree.errors import DDTreeError
 from ddtree.params import AUTO, METHODS, check_accept_thresholds, check_speculative_options, parse_budget
+from ddtree.server.options import add_server_options
 from ddtree.training.cli import register as register_train
 
 DESCRIPTION = """\
@@ -118,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Serve the engine over an OpenAI-compatible HTTP API.",
                          epilog=SERVE_EXAMPLES)  # fmt: skip
     _add_engine_options(srv)
-    _add_server_options(srv)
+    add_server_options(srv)
     srv.set_defaults(func=_serve)
     register_bench(sub)
     register_train(sub)
@@ -271,12 +272,6 @@ def quiet_transformers() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-
-
-def _add_server_options(p: argparse.ArgumentParser) -> None:
-    from ddtree.server.run import add_server_options
-
-    add_server_options(p)
 
 
 def _serve(args: argparse.Namespace) -> None:

@@ -4,6 +4,8 @@ only ``typing.TYPE_CHECKING`` imports, which never run, are left out."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ddtree"
@@ -77,3 +79,27 @@ def test_no_module_imports_its_way_back_to_itself():
 
 def test_the_cycle_finder_sees_a_lazy_circle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+HEAVY = ("torch", "transformers", "fastapi", "uvicorn", "xgrammar", "safetensors")
+
+
+def test_the_command_line_builds_without_model_or_web_code():
+    """`ddtree --help` and every subcommand's help (and argument errors) answer in about a second: building
+    the parser imports none of the heavy libraries, which each subcommand imports when it runs."""
+    script = (
+        "import sys\n"
+        "from ddtree.cli import build_parser\n"
+        "parser = build_parser()\n"
+        "for argv in (['--help'], ['generate', '--help'], ['serve', '--help'], ['bench', '--help'],\n"
+        "             ['bench', 'serve', '--help'], ['train', 'drafter', '--help'],\n"
+        "             ['train', 'target', '--help']):\n"
+        "    try:\n"
+        "        parser.parse_args(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"

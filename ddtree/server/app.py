@@ -29,6 +29,7 @@ from ddtree.server.generation import ServedModel
 from ddtree.server.limits import BodySizeLimit, Limits, longest_token_chars
 from ddtree.server.metrics import Metrics, MetricsMiddleware
 from ddtree.server.openai_api import router as openai_router
+from ddtree.server.options import DEFAULT_MODEL_NAME
 from ddtree.server.protocol import Health, NotReady
 from ddtree.server.tokens import TokenNames
 from ddtree.server.worker import EngineWorker
@@ -39,9 +40,6 @@ NOT_READY = {
     "failed": ("the model failed to load", "model_load_failed"),
     "dead": ("the engine stopped", "engine_failed"),
 }
-
-
-DEFAULT_MODEL_NAME = "ddtree-default"  # the built-in pair's; a served target directory gives its own name
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,7 @@ from collections.abc import Iterable, Mapping
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ddtree.server.errors import APIError
-
-API_KEY_ENV = "DDTREE_API_KEY"
+from ddtree.server.options import API_KEY_ENV
 
 
 def api_keys(flags: Iterable[str] | None, env: Mapping[str, str]) -> tuple[str, ...]:

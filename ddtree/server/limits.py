@@ -18,13 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ddtree.server.errors import APIError, invalid
 from ddtree.server.generation import COMPLETION_DEFAULT_MAX_TOKENS, Plan
-
-MAX_REQUEST_BYTES = 16 << 20  # a 128k-token prompt is about 0.5 MB of text; 1M token ids about 7 MB of JSON
-MAX_TOKENS_PER_REQUEST = 1 << 18  # n x prompts x max_tokens
-# A request's tree pads every row of its round to its node bucket: one client's budget of 4096 would make
-# each round of the whole batch verify 4,097 nodes a row. 256 is the largest budget the tests run compiled
-# (SGLang's and TokenSpeed's capture failures were above 8 and at rows x nodes > 128, peer-lessons.md).
-MAX_SPECULATIVE_BUDGET = 256
+from ddtree.server.options import MAX_REQUEST_BYTES, MAX_SPECULATIVE_BUDGET, MAX_TOKENS_PER_REQUEST
 
 
 @dataclass(frozen=True)

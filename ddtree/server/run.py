@@ -29,91 +29,14 @@ from uvicorn.config import LOGGING_CONFIG
 from ddtree.errors import DDTreeError
 from ddtree.models import check_model_dir
 from ddtree.server import limits
-from ddtree.server.app import DEFAULT_MODEL_NAME, ServerConfig, create_app
-from ddtree.server.auth import API_KEY_ENV, api_keys, open_access_warning
+from ddtree.server.app import ServerConfig, create_app
+from ddtree.server.auth import api_keys, open_access_warning
+from ddtree.server.options import DEFAULT_MODEL_NAME
 
 LOAD_DELAY_ENV = "DDTREE_TEST_LOAD_DELAY"  # test hook: seconds to sleep before loading (a slow disk)
 STEP_DELAY_ENV = (
     "DDTREE_TEST_STEP_DELAY"  # test hook: seconds to sleep before each engine step (a slow model)
 )
-
-
-def add_server_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
-    p.add_argument(
-        "--served-model-name",
-        default=None,
-        help=f"model id clients use (the target directory's name; {DEFAULT_MODEL_NAME} for the built-ins)",
-    )
-    p.add_argument(
-        "--max-num-seqs",
-        "--max-batch-size",
-        dest="max_batch_size",
-        type=int,
-        default=16,
-        help="requests (choices) the engine runs side by side",
-    )
-    p.add_argument(
-        "--max-queue",
-        type=int,
-        default=64,
-        help="requests that may wait for a place in the batch; more get 429",
-    )
-    p.add_argument(
-        "--request-timeout", type=float, default=600.0, help="seconds per request, queue wait included"
-    )
-    p.add_argument(
-        "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM"
-    )
-    p.add_argument(
-        "--log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug"],
-        help="uvicorn's and the server's log level",
-    )
-    p.add_argument("--access-log", action="store_true", help="log every request")
-    add_security_options(p)
-
-
-def add_security_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--api-key",
-        action="extend",
-        nargs="+",
-        metavar="KEY",
-        help=f"/v1 requests need 'Authorization: Bearer KEY'; several: --api-key K1 K2, or repeat the flag "
-        f"(default: the comma-separated ${API_KEY_ENV}, which keeps keys out of the process list)",
-    )
-    p.add_argument(
-        "--metrics-api-key", action="extend", nargs="+", metavar="KEY", help="/metrics needs one of these"
-    )
-    p.add_argument(
-        "--allowed-origins",
-        action="extend",
-        nargs="+",
-        metavar="ORIGIN",
-        help="enable CORS for these browser origins (e.g. https://app.example, or *); default: off",
-    )
-    p.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=limits.MAX_REQUEST_BYTES,
-        help="larger request bodies get 413",
-    )
-    p.add_argument(
-        "--max-tokens-per-request",
-        type=int,
-        default=limits.MAX_TOKENS_PER_REQUEST,
-        help="bound on n x prompts x max_tokens of one request",
-    )
-    p.add_argument(
-        "--max-speculative-budget",
-        type=int,
-        default=limits.MAX_SPECULATIVE_BUDGET,
-        metavar="N",
-        help="largest speculative.budget a request may ask for (a tree pads its whole batch's round)",
-    )
 
 
 def bind(host: str, port: int, backlog: int = 2048) -> socket.socket:

@@ -105,7 +105,7 @@ class GrammarState:
         self.matcher.fill_next_token_bitmask(mask, 0)
         return mask[0]
 
-    def tree_masks(self, tokens: np.ndarray, parents: np.ndarray) -> torch.Tensor:
+    def tree_masks(self, tokens: np.ndarray, parents: np.ndarray) -> np.ndarray:
         """[N, W] int32: what may follow each node of one tree (node 0 the root, already committed;
         ``parents[0] == -1``, children after their parent, siblings most probable first). A node whose
         own token the grammar forbids is never accepted, nor anything below it; its row allows
@@ -129,12 +129,17 @@ class GrammarState:
             masks,
         )
         masks[(masks == 0).all(dim=1)] = -1  # unreachable: xgrammar leaves a forbidden node's row empty
-        return masks
+        return masks.numpy()
+
+
+def next_masks(states: Sequence[GrammarState]) -> np.ndarray:
+    """[C, W] int32: what each state allows next, on the host (the caller uploads it, pinned)."""
+    return torch.stack([state.next_mask() for state in states]).numpy()
 
 
 def apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
     """``logits`` [..., V] with the tokens ``masks`` [..., W] forbids set to -inf, in place (xgrammar's
     kernel: CUDA or CPU)."""
     flat = logits.view(-1, logits.shape[-1])
-    xgr.apply_token_bitmask_inplace(flat, masks.reshape(-1, masks.shape[-1]).to(logits.device))
+    xgr.apply_token_bitmask_inplace(flat, masks.reshape(-1, masks.shape[-1]))  # on logits' device
     return logits

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import os
 import traceback
+from dataclasses import replace
 
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ddtree import Engine, SamplingParams
+from ddtree import Engine, SamplingParams, StructuredOutputs
 from ddtree.engine.verifier import Verifier
-from tests.conftest import tiny_drafter, tiny_target
+from tests.conftest import tiny_drafter, tiny_models, tiny_target
 
 READS = {
     torch.Tensor.tolist,
@@ -232,3 +233,22 @@ def test_data_sized_ops_and_async_uploads_are_told_apart():
         x.to(torch.float32)  # a cast, not an upload
         x.to("cpu", non_blocking=True)  # the CPU's stand-in for a pinned async copy
     assert syncs.calls == []
+
+
+def test_structured_output_rows_add_one_read_of_their_trees_and_no_blocking_upload():
+    """A constrained row's masks need its tree on the host (one copy, for all such rows), and nothing else:
+    the masks and their row indices go up pinned, like every upload of the round."""
+    tokenizer, target, drafter = tiny_models()
+    engine = Engine(target.to(DEVICE), drafter.to(DEVICE), tokenizer, max_num_seqs=16, budget=16)
+    spec = StructuredOutputs(regex="[a-z ]{1,80}")
+    greedy = SamplingParams(max_new_tokens=48)
+    constrained = SamplingParams(max_new_tokens=48, structured_outputs=spec)
+    sampled = [replace(p, max_new_tokens=48) for p in SAMPLED]
+    params = [constrained if i % 4 == 0 else greedy if i % 2 else sampled[i % 4] for i in range(16)]
+    methods = ["ddtree"] * 12 + ["dflash", "dflash", "ar", "ar"]
+    calls = reads_in_one_round(engine, params, methods)
+    # ddtree/grammar.py only ever holds host data (the trees' copy, xgrammar's bitmasks): its conversions
+    # look like reads to this counter on the CPU, where every tensor is a host tensor.
+    calls = [c for c in calls if "ddtree/grammar.py" not in c]
+    assert not [c for c in calls if c.startswith("blocking upload")], calls
+    assert len(calls) == 3 and any("verifier.py" in c and c.startswith("cpu") for c in calls), calls

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ddtree.capture import pick
+from ddtree.capture import pick, upload
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Request
 from ddtree.sampling import SamplingTensors, filtered_probs
@@ -201,9 +201,10 @@ def grammar_first_level(drafting: list[Request], logits: torch.Tensor) -> torch.
     constrained = [i for i, r in enumerate(drafting) if r.grammar is not None]
     if not constrained:
         return logits
-    from ddtree.grammar import apply_masks  # xgrammar: only for engines that serve constrained requests
+    from ddtree.grammar import apply_masks, next_masks  # xgrammar: only for engines that serve them
 
-    masks = torch.stack([drafting[i].grammar.next_mask() for i in constrained])  # [C, W]
+    at = upload(np.asarray(constrained, dtype=np.int64), logits.device)
+    masks = upload(next_masks([drafting[i].grammar for i in constrained]), logits.device)  # [C, W]
     logits = logits.clone()
-    logits[constrained, 0] = apply_masks(logits[constrained, 0], masks)  # [C, V]
+    logits[at, 0] = apply_masks(logits[at, 0], masks)  # [C, V]
     return logits

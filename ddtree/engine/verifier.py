@@ -67,8 +67,11 @@ class Verifier:
         """The first token of each request, straight from the prefill logits [B, V]."""
         constrained = [i for i, r in enumerate(batch) if r.grammar is not None]
         if constrained:
-            masks = torch.stack([batch[i].grammar.next_mask() for i in constrained])  # [C, W]
-            logits[constrained] = masked(logits[constrained], masks)
+            from ddtree.grammar import next_masks
+
+            at = upload(np.asarray(constrained, dtype=np.int64), logits.device)
+            masks = upload(next_masks([batch[i].grammar for i in constrained]), logits.device)  # [C, W]
+            logits[at] = masked(logits[at], masks)
         tokens = logits.argmax(dim=-1)  # [B]
         sampled = [i for i, r in enumerate(batch) if not r.params.greedy]
         if sampled:
@@ -283,12 +286,13 @@ def tree_grammar_masks(rows: list[Request], trees: TreeBatch) -> torch.Tensor | 
         return None
     device = trees.tokens.device
     grammar = rows[constrained[0]].grammar
-    nodes = torch.stack((trees.tokens, trees.parents), dim=1)[constrained].cpu().numpy()  # [C, 2, N]
-    masks = torch.full((len(rows), trees.tokens.shape[1], grammar.mask_width), -1, dtype=torch.int32)
+    at = upload(np.asarray(constrained, dtype=np.int64), device)
+    nodes = np.asarray(torch.stack((trees.tokens, trees.parents), dim=1)[at].cpu())  # [C, 2, N]
+    masks = np.full((len(rows), trees.tokens.shape[1], grammar.mask_width), -1, dtype=np.int32)
     for k, i in enumerate(constrained):
         m = int(trees.sizes[i])
         masks[i, :m] = rows[i].grammar.tree_masks(nodes[k, 0, :m], nodes[k, 1, :m])
-    return upload(masks.numpy(), device)
+    return upload(masks, device)
 
 
 def masked(logits: torch.Tensor, allowed: torch.Tensor | None, *index) -> torch.Tensor:

@@ -11,7 +11,6 @@ was popped earlier, so the popped set is a tree rooted at the last accepted toke
 from __future__ import annotations
 
 import functools
-import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,30 +40,6 @@ class DraftTree:
         return cls(torch.tensor([root_token]), zero, zero - 1, zero.float())
 
 
-def build_ddtree_tree(
-    draft_logits: torch.Tensor, budget: int, topk: int | None = None, root_token: int = 0
-) -> DraftTree:
-    """Best-first tree of the ``budget`` most probable prefixes of the drafted block.
-
-    ``draft_logits`` is [L, V]: row d - 1 is the drafter's distribution for the token at depth d.
-    ``topk`` bounds the branching per depth (default and maximum: min(budget, V), which loses nothing
-    since a node's (budget + 1)-th best child can never be among the ``budget`` best prefixes).
-    Outputs are on the CPU. This is the scalar heap, one tree at a time; the engine builds every row's tree
-    at once on the device with ``build_tree_batch``, which the tests hold to this one.
-    """
-    if draft_logits.dim() != 2 or draft_logits.shape[1] < 1:
-        raise DDTreeError(f"draft_logits must be [L, V] with V >= 1, got shape {tuple(draft_logits.shape)}")
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise DDTreeError(f"tree budget must be an integer >= 1, got {budget!r}")
-    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
-        raise DDTreeError(f"tree topk must be an integer >= 1 or None, got {topk!r}")
-    k = min(budget if topk is None else topk, budget, draft_logits.shape[1])
-    vals, ids = draft_candidates(draft_logits, k)  # [L, k] each
-    # One device->host transfer for both: the float32 values travel as their int32 bit patterns.
-    host = torch.stack((vals.view(torch.int32), ids.int())).cpu()  # [2, L, k]
-    return best_first_tree(host[0].view(torch.float32).tolist(), host[1].tolist(), budget, root_token)
-
-
 def draft_candidates(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` most probable tokens of every drafted position: log-probs [..., L, k] float32, sorted
     descending, and their ids [..., L, k] int64 (draft_logits [..., L, V]). Both tree builders rank from
@@ -74,41 +49,6 @@ def draft_candidates(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     vals, ids = top_k_rows(logp, k)  # [rows, k]
     shape = (*draft_logits.shape[:-1], k)
     return vals.reshape(shape), ids.reshape(shape)
-
-
-def best_first_tree(
-    vals: list[list[float]], ids: list[list[int]], budget: int, root_token: int = 0
-) -> DraftTree:
-    """The heap: ``budget`` pops over per-depth candidates ``vals`` / ``ids`` ([L][K], sorted descending).
-
-    Scores accumulate in float64 (Python floats); ties pop by (depth, rank, parent's pop index), the heap
-    entries' order, which ``build_tree_batch`` reproduces.
-    """
-    depth_max = len(vals)
-    k = len(vals[0]) if vals else 0
-    tokens, depths, parents, logw = [root_token], [0], [-1], [0.0]
-    pop, push = heapq.heappop, heapq.heappush
-    # Entries (-score, depth, rank, parent node): the prefix is parent's prefix + the rank-th token at depth.
-    heap: list[tuple[float, int, int, int]] = [(-vals[0][0], 1, 0, 0)] if depth_max > 0 and k else []
-    for node in range(1, budget + 1):
-        if not heap:
-            break
-        neg_score, d, r, p = pop(heap)
-        tokens.append(ids[d - 1][r])
-        depths.append(d)
-        parents.append(p)
-        logw.append(-neg_score)
-        if r + 1 < k:  # next sibling: same parent, next-ranked token
-            push(heap, (-(logw[p] + vals[d - 1][r + 1]), d, r + 1, p))
-        if d < depth_max:  # first child: best token at the next depth
-            push(heap, (-(-neg_score + vals[d][0]), d + 1, 0, node))
-
-    # One host array for the three integer outputs: each torch.tensor(list) call costs as much as the heap
-    # spends on tens of nodes.
-    ints = torch.from_numpy(np.array((tokens, depths, parents), dtype=np.int64))  # [3, N]
-    return DraftTree(
-        tokens=ints[0], depths=ints[1], parents=ints[2], logw=torch.tensor(logw, dtype=torch.float32)
-    )
 
 
 def top_k_rows(x: torch.Tensor, k: int, groups: int = 16) -> tuple[torch.Tensor, torch.Tensor]:

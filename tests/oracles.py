@@ -6,11 +6,14 @@ sibling running sum is each exact partial sum rounded to float32, which both sid
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 import torch
 
 from ddtree.params import check_accept_thresholds
 from ddtree.sampling import SamplingTensors, inverse_cdf
+from ddtree.tree import DraftTree, draft_candidates
 
 
 def filtered_probs_reference(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
@@ -148,3 +151,56 @@ def tree_sampling_reference(
     predicts[slots_t] = torch.tensor(tokens, dtype=torch.int32, device=predicts.device)
     accept_index[acc_rows, acc_cols] = slots_t.to(device=accept_index.device, dtype=torch.int32)
     accept_token_num.copy_(torch.tensor([len(path) - 1 for path in paths], dtype=torch.int32))
+
+
+def build_ddtree_tree(
+    draft_logits: torch.Tensor, budget: int, topk: int | None = None, root_token: int = 0
+) -> DraftTree:
+    """Best-first tree of the ``budget`` most probable prefixes of the drafted block.
+
+    ``draft_logits`` is [L, V]: row d - 1 is the drafter's distribution for the token at depth d.
+    ``topk`` bounds the branching per depth (default and maximum: min(budget, V), which loses nothing
+    since a node's (budget + 1)-th best child can never be among the ``budget`` best prefixes).
+    Outputs are on the CPU. This is the scalar heap, one tree at a time (the library's first builder); the
+    engine builds every row's tree at once on the device with ``build_tree_batch``, held to this one.
+    """
+    k = min(budget if topk is None else topk, budget, draft_logits.shape[1])
+    vals, ids = draft_candidates(draft_logits, k)  # [L, k] each
+    # One device->host transfer for both: the float32 values travel as their int32 bit patterns.
+    host = torch.stack((vals.view(torch.int32), ids.int())).cpu()  # [2, L, k]
+    return best_first_tree(host[0].view(torch.float32).tolist(), host[1].tolist(), budget, root_token)
+
+
+def best_first_tree(
+    vals: list[list[float]], ids: list[list[int]], budget: int, root_token: int = 0
+) -> DraftTree:
+    """The heap: ``budget`` pops over per-depth candidates ``vals`` / ``ids`` ([L][K], sorted descending).
+
+    Scores accumulate in float64 (Python floats); ties pop by (depth, rank, parent's pop index), the heap
+    entries' order, which ``build_tree_batch`` reproduces.
+    """
+    depth_max = len(vals)
+    k = len(vals[0]) if vals else 0
+    tokens, depths, parents, logw = [root_token], [0], [-1], [0.0]
+    pop, push = heapq.heappop, heapq.heappush
+    # Entries (-score, depth, rank, parent node): the prefix is parent's prefix + the rank-th token at depth.
+    heap: list[tuple[float, int, int, int]] = [(-vals[0][0], 1, 0, 0)] if depth_max > 0 and k else []
+    for node in range(1, budget + 1):
+        if not heap:
+            break
+        neg_score, d, r, p = pop(heap)
+        tokens.append(ids[d - 1][r])
+        depths.append(d)
+        parents.append(p)
+        logw.append(-neg_score)
+        if r + 1 < k:  # next sibling: same parent, next-ranked token
+            push(heap, (-(logw[p] + vals[d - 1][r + 1]), d, r + 1, p))
+        if d < depth_max:  # first child: best token at the next depth
+            push(heap, (-(-neg_score + vals[d][0]), d + 1, 0, node))
+
+    # One host array for the three integer outputs: each torch.tensor(list) call costs as much as the heap
+    # spends on tens of nodes.
+    ints = torch.from_numpy(np.array((tokens, depths, parents), dtype=np.int64))  # [3, N]
+    return DraftTree(
+        tokens=ints[0], depths=ints[1], parents=ints[2], logw=torch.tensor(logw, dtype=torch.float32)
+    )

@@ -66,8 +66,10 @@ def test_tiny_bench_writes_every_output_and_passes_the_t0_check(setup, tmp_path,
     for key in {(r["prompt_index"], r["repeat"]) for r in results["records"]}:
         assert len({r["seed"] for r in results["records"] if (r["prompt_index"], r["repeat"]) == key}) == 1
 
-    tree = results["tree_build"]  # the builder alone at budgets 32 and 256, flat to peaked logits
-    assert [(r["scale"], r["budget"]) for r in tree] == [(s, b) for s in (1.0, 3.0, 6.0) for b in (32, 256)]
+    tree = results["tree_build"]  # the tree stage alone at budgets 32 and 256, 1 and 16 rows, flat to peaked
+    assert [(r["scale"], r["rows"], r["budget"]) for r in tree] == [
+        (s, n, b) for s in (1.0, 3.0, 6.0) for n in (1, 16) for b in (32, 256)
+    ]
     assert all(r["vocab"] == 8192 and r["positions"] == 15 and r["median_ms"] > 0 for r in tree)
     assert tree[0]["top1_probability"] < 0.01 < tree[-1]["top1_probability"]
 

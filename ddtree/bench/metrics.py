@@ -67,9 +67,9 @@ DEFINITIONS = {
     "generate, up to prompt_lookup_num_tokens + 1 for prompt lookup, whose first forward also verifies "
     "candidates); prefill = call -> that put, decode = that put -> streamer.end(), decode_tokens = tokens "
     "after that put, acceptance lengths = tokens per later put (one per target forward).",
-    "tree_build": "median wall time of one build_ddtree_tree call (log-softmax, top-k candidates per "
-    "position, best-first heap, output tensors) on synthetic logits scale * N(0, 1) of shape "
-    "[positions, vocab], per budget; not part of the decode timings.",
+    "tree_build": "median wall time of the round's tree stage alone (draft_candidates: log-softmax and "
+    "top-k per position; then the batched device beam build_tree_batch) on synthetic logits scale * "
+    "N(0, 1) of shape [rows, positions, vocab], per rows and budget; not part of the decode timings.",
     "t0_check": "at temperature 0 every configuration's tokens (cut after the first EOS) must equal "
     "'ar''s for the same prompt and repeat; any difference is a correctness bug of the method (or "
     "numerical non-determinism) and fails the run (exit code 3).",

@@ -187,14 +187,16 @@ def _tree_build_table(rows: list[dict]) -> list[str]:
         "",
         f"## Tree build alone: {first['positions']} positions x {first['vocab']} tokens, synthetic logits",
         "",
-        "Median ms of `build_ddtree_tree` (log-softmax, top-k candidates, heap, output tensors).",
+        "Median ms of the round's tree stage (`draft_candidates`, then the batched device beam "
+        "`build_tree_batch`) for all the rows at once.",
         "",
-        "| logits scale | mean top-1 prob | " + " | ".join(f"budget {b}" for b in budgets) + " |",
-        "|--:|--:|" + "--:|" * len(budgets),
+        "| logits scale | mean top-1 prob | rows | " + " | ".join(f"budget {b}" for b in budgets) + " |",
+        "|--:|--:|--:|" + "--:|" * len(budgets),
     ]
     for scale in dict.fromkeys(r["scale"] for r in rows):
-        mine = {r["budget"]: r for r in rows if r["scale"] == scale}
-        top1 = next(iter(mine.values()))["top1_probability"]
-        cells = " | ".join(f"{mine[b]['median_ms']:.3f}" for b in budgets)
-        out.append(f"| {scale:g} | {top1:.3f} | {cells} |")
+        for b in dict.fromkeys(r["rows"] for r in rows):
+            mine = {r["budget"]: r for r in rows if r["scale"] == scale and r["rows"] == b}
+            top1 = next(iter(mine.values()))["top1_probability"]
+            cells = " | ".join(f"{mine[n]['median_ms']:.3f}" for n in budgets)
+            out.append(f"| {scale:g} | {top1:.3f} | {b} | {cells} |")
     return out

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.tree import DraftTree, TreeBatch
+from ddtree.tree import TreeBatch
 
 
 @dataclass
@@ -86,20 +86,3 @@ def walk_greedy(trees: TreeBatch, argmax_at: Callable[[torch.Tensor], torch.Tens
         lengths += alive
     tokens[:, -1] = torch.where(alive, argmax_at(cur), tokens[:, -1])
     return Accepted(path=path, tokens=tokens, lengths=lengths)
-
-
-def follow_verified_tree(tree: DraftTree, target_token: Callable[[int], int]) -> tuple[list[int], list[int]]:
-    """The scalar greedy walk of one tree (the oracle ``accept_greedy`` is tested against).
-
-    ``target_token(i)`` is the target's argmax after the prefix ending at node i; the walk asks only for
-    the nodes it accepts. Returns the accepted node indices (root first) and the emitted tokens
-    (accepted drafts, then the target's bonus token).
-    Nodes come in pop order (every parent before its children), so one scan in index order meets each
-    accepted node's children after the node itself; siblings carry distinct tokens, so at most one matches.
-    """
-    nodes, tokens = [0], [target_token(0)]
-    for i, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist(), strict=True)):
-        if parent == nodes[-1] and token == tokens[-1]:
-            nodes.append(i)
-            tokens.append(target_token(i))
-    return nodes, tokens

@@ -7,6 +7,7 @@ sibling running sum is each exact partial sum rounded to float32, which both sid
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -204,3 +205,20 @@ def best_first_tree(
     return DraftTree(
         tokens=ints[0], depths=ints[1], parents=ints[2], logw=torch.tensor(logw, dtype=torch.float32)
     )
+
+
+def follow_verified_tree(tree: DraftTree, target_token: Callable[[int], int]) -> tuple[list[int], list[int]]:
+    """The scalar greedy walk of one tree (the oracle ``accept_greedy`` is tested against).
+
+    ``target_token(i)`` is the target's argmax after the prefix ending at node i; the walk asks only for
+    the nodes it accepts. Returns the accepted node indices (root first) and the emitted tokens
+    (accepted drafts, then the target's bonus token).
+    Nodes come in pop order (every parent before its children), so one scan in index order meets each
+    accepted node's children after the node itself; siblings carry distinct tokens, so at most one matches.
+    """
+    nodes, tokens = [0], [target_token(0)]
+    for i, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist(), strict=True)):
+        if parent == nodes[-1] and token == tokens[-1]:
+            nodes.append(i)
+            tokens.append(target_token(i))
+    return nodes, tokens

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from ddtree.tree import DraftTree, TreeSpec, build_tree_batch, draft_candidates
-from ddtree.verify import accept_greedy, follow_verified_tree, walk_greedy
+from ddtree.verify import accept_greedy, walk_greedy
 from tests.conftest import tree_from_parents
-from tests.oracles import build_ddtree_tree
+from tests.oracles import build_ddtree_tree, follow_verified_tree
 
 
 def _walk_with_child_maps(tree: DraftTree, target_tokens: list[int]) -> tuple[list[int], list[int]]:

@@ -12,9 +12,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ddtree.params import check_accept_thresholds
-from ddtree.sampling import SamplingTensors, inverse_cdf
-from ddtree.tree import DraftTree, draft_candidates
+from ddtree.params import SamplingParams, check_accept_thresholds
+from ddtree.sampling import SamplingTensors, _walk_tree, filtered_probs, inverse_cdf
+from ddtree.tree import DraftTree, TreeRetrieve, draft_candidates
 
 
 def filtered_probs_reference(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
@@ -222,3 +222,142 @@ def follow_verified_tree(tree: DraftTree, target_token: Callable[[int], int]) ->
             nodes.append(i)
             tokens.append(target_token(i))
     return nodes, tokens
+
+
+def target_probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One request's distribution over the last dim of ``logits`` [..., V] (see ``filtered_probs``).
+
+    Greedy (temperature 0) has no distribution: take the argmax instead.
+    """
+    if params.greedy:
+        raise ValueError("target_probs_from_logits needs temperature > 0; greedy decoding takes the argmax")
+    sampling = SamplingTensors.from_params([params], logits.device)
+    return filtered_probs(logits.reshape(1, -1, logits.shape[-1]), sampling).reshape(logits.shape)
+
+
+def sample_from_probs(probs: torch.Tensor, coin: float | torch.Tensor) -> int:
+    """Plain sampling of one distribution probs [V] with one coin by inverse CDF, with the bonus draw's
+    exact rule."""
+    coins = torch.as_tensor(coin, dtype=torch.float32).reshape(1).to(probs.device)
+    token = int(inverse_cdf(probs.float().reshape(1, -1), coins)[0])
+    if token < 0:
+        raise ValueError("probs has no positive mass")
+    return token
+
+
+def tree_speculative_sampling_target_only(
+    predicts: torch.Tensor,
+    accept_index: torch.Tensor,
+    accept_token_num: torch.Tensor,
+    candidates: torch.Tensor,
+    retrive_index: torch.Tensor,
+    retrive_next_token: torch.Tensor,
+    retrive_next_sibling: torch.Tensor,
+    uniform_samples: torch.Tensor,
+    uniform_samples_for_final_sampling: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+    deterministic: bool = True,
+) -> None:
+    """Tree rejection sampling with sgl_kernel's contract; writes predicts, accept_index, accept_token_num.
+
+    Shapes: predicts [bs * N] int32, written at retrive_index slots; accept_index [bs, S] int32 (S = max
+    depth + 1, entries past the accepted path untouched); accept_token_num [bs] int32 (accepted draft
+    tokens, bonus excluded); candidates, retrive_index, retrive_next_token, retrive_next_sibling
+    [bs, N] int64 (node 0 = root); uniform_samples [bs, N] float32; uniform_samples_for_final_sampling
+    [bs] float32; target_probs, draft_probs [bs, N, V] float32. draft_probs must come in as zeros: it is
+    scratch where rejected tokens' target mass is recorded (mutated).
+
+    Per row, node x's children are tried in sibling order with the coin uniform_samples[row, x]: child c
+    with target prob p (under x's row) is accepted iff p > 0 and (coin < running_sum / threshold_acc or
+    p >= threshold_single), as in SGLang's current kernel. The test is strict so that, with coins uniform
+    on [0, 1), each child is accepted with exactly its probability (``<=`` would also take a child whose
+    running sum equals the coin, i.e. the previous sibling's share of [0, 1)). The running sum is float32,
+    each partial sum rounded from the exact one. The bonus token after the last accepted node is drawn with
+    the final coin from max(target - draft_probs, 0) of that node, or from its plain target row when the
+    walk used all S - 1 steps; if rounding leaves that empty, it is the node's last rejected child with
+    target mass (V - 1 when there is none), as in the kernel.
+
+    Thresholds take SGLang's whole domain [0, 1] (``threshold_acc`` is floored at 1e-9 like the kernel's
+    launcher does, so 0 accepts any child with target mass). The default (1, 1) is lossless; anything
+    lower accepts more often and is a deliberately lossy speed option. ``deterministic`` is accepted for
+    sgl_kernel's signature; this implementation is always deterministic.
+
+    Vectorised over rows, one step per depth, no host sync: the linked lists become a [bs, N, C] children
+    table first (C = N - 1 at most, one gather per sibling rank).
+    """
+    del deterministic  # every op here is deterministic
+    bs, n = candidates.shape
+    steps = accept_index.shape[1]
+    vocab = target_probs.shape[-1]
+    if target_probs.shape != (bs, n, vocab) or draft_probs.shape != target_probs.shape:
+        raise ValueError(f"target/draft probs must be [{bs}, {n}, V], got {tuple(target_probs.shape)}")
+    if target_probs.dtype != torch.float32 or draft_probs.dtype != torch.float32:
+        raise ValueError("target_probs and draft_probs must be float32")
+    if any(t.dtype != torch.int32 for t in (predicts, accept_index, accept_token_num)):
+        raise ValueError("predicts, accept_index and accept_token_num must be int32")
+    device = target_probs.device
+    # Children in sibling order: rank 0 is the first child, rank r + 1 the next sibling of rank r.
+    ranks = [retrive_next_token.long()]
+    for _ in range(n - 2):
+        prev = ranks[-1]
+        ranks.append(torch.where(prev >= 0, retrive_next_sibling.long().gather(1, prev.clamp(min=0)), -1))
+    children = torch.stack(ranks, dim=2) if n > 1 else torch.full((bs, n, 1), -1, device=device)
+    rows = torch.arange(bs, device=device)
+    walk = _walk_tree(
+        children,
+        candidates.long(),
+        lambda cur: target_probs[rows, cur],
+        uniform_samples.float(),
+        uniform_samples_for_final_sampling.float().to(device),
+        steps,
+        threshold_single,
+        threshold_acc,
+        draft_probs,
+    )
+    # Node path[t] predicts the token of path[t + 1]; the last accepted node predicts the bonus.
+    t = torch.arange(steps, device=device)[None]  # [1, S]
+    on_path = t < walk.lengths[:, None]  # [bs, S]
+    slots = retrive_index.long().gather(1, walk.path)  # [bs, S]
+    # Padding entries rewrite the root's slot with the root's own value: every write is deterministic.
+    values = torch.where(on_path, walk.tokens, walk.tokens[:, :1]).to(predicts.dtype)
+    predicts[torch.where(on_path, slots, slots[:, :1]).view(-1).to(predicts.device)] = values.view(-1)
+    accept_index.copy_(torch.where(on_path, slots.to(accept_index.dtype), accept_index))
+    accept_token_num.copy_(walk.lengths - 1)
+
+
+def sample_tree(
+    tree: DraftTree,
+    retrieve: TreeRetrieve | None,
+    target_probs: torch.Tensor,
+    coins: torch.Tensor,
+    final_coin: float | torch.Tensor,
+) -> tuple[list[int], list[int]]:
+    """One tree through the kernel contract: target_probs [N, V], coins [N]; returns (nodes, tokens) with
+    the root first and the bonus last."""
+    n = tree.num_nodes
+    if retrieve is None:
+        retrieve = TreeRetrieve(torch.full((n,), -1), torch.full((n,), -1))
+    steps = int(tree.depths.max()) + 1
+    device = target_probs.device
+    predicts = torch.zeros(n, dtype=torch.int32, device=device)
+    accept_index = torch.full((1, steps), -1, dtype=torch.int32, device=device)
+    accept_token_num = torch.zeros(1, dtype=torch.int32, device=device)
+    probs = target_probs.float()[None]
+    tree_speculative_sampling_target_only(
+        predicts,
+        accept_index,
+        accept_token_num,
+        candidates=tree.tokens[None].to(device),
+        retrive_index=torch.arange(n, device=device)[None],
+        retrive_next_token=retrieve.next_token[None].to(device),
+        retrive_next_sibling=retrieve.next_sibling[None].to(device),
+        uniform_samples=coins.float().reshape(1, n).to(device),
+        uniform_samples_for_final_sampling=torch.as_tensor(final_coin, dtype=torch.float32).reshape(1),
+        target_probs=probs,
+        draft_probs=torch.zeros_like(probs),
+    )
+    nodes = [x for x in accept_index[0].tolist() if x >= 0]
+    return nodes, predicts[nodes].tolist()

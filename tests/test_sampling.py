@@ -18,15 +18,7 @@ from transformers.generation.logits_process import (
 import ddtree.sampling as sampling_module
 from ddtree.errors import DDTreeError
 from ddtree.params import SamplingParams
-from ddtree.sampling import (
-    SamplingTensors,
-    filtered_probs,
-    sample_from_probs,
-    sample_tree,
-    sample_tree_batch,
-    target_probs_from_logits,
-    tree_speculative_sampling_target_only,
-)
+from ddtree.sampling import SamplingTensors, filtered_probs, sample_tree_batch
 from ddtree.tree import (
     DraftTree,
     TreeRetrieve,
@@ -36,7 +28,14 @@ from ddtree.tree import (
     draft_candidates,
 )
 from tests.conftest import tree_from_parents
-from tests.oracles import filtered_probs_reference, tree_sampling_reference
+from tests.oracles import (
+    filtered_probs_reference,
+    sample_from_probs,
+    sample_tree,
+    target_probs_from_logits,
+    tree_sampling_reference,
+    tree_speculative_sampling_target_only,
+)
 
 
 def make_tree(parents: list[int], tokens: list[int]) -> tuple[DraftTree, TreeRetrieve]:

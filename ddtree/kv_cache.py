@@ -169,3 +169,21 @@ class CacheWrite:
             return flat[None].expand(b, *flat.shape)
         rows = buf.index_select(0, self.read)  # [B * span / block_size, block_size, *token_shape]
         return rows.view(b, self.span, *buf.shape[2:])
+
+
+def pack_accepted(
+    cache: PagedKVCache, tables: torch.Tensor, starts: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor
+) -> None:
+    """Row i (block table ``tables[i]``) keeps the keys/values of its accepted nodes ``path[i, :lengths[i]]``
+    at columns ``starts[i] + 0 .. lengths[i]`` (tables [B, width + 1], starts [B], path [B, S], lengths [B]).
+
+    A path is increasing node indices starting with the root (0), which stays where it is; every row moves
+    in one gather and one scatter per buffer, on the device (a first-child chain moves onto itself), with
+    the entries past a row's path sent to the scratch column. The tree's other columns need no clearing:
+    the next round's mask hides everything past a row's committed tokens.
+    """
+    steps = path.shape[1]
+    on_path = torch.arange(steps, device=path.device)[None] < lengths[:, None]  # [B, S]
+    src = torch.where(on_path, starts[:, None] + path, cache.scratch)  # [B, S]
+    dst = torch.where(on_path, starts[:, None] + torch.arange(steps, device=path.device), cache.scratch)
+    cache.move_cols(tables, src, dst)

@@ -11,10 +11,10 @@ import random
 import pytest
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from ddtree.commit import OutputState
 from ddtree.detokenize import IncrementalDetokenizer
 from ddtree.engine import Engine
 from ddtree.models import DEFAULT_TARGET, load_target
+from ddtree.output import OutputState
 from ddtree.params import SamplingParams
 
 EOS = 0  # the built-in tokenizer's <|endoftext|>; <|mask|> (1) is special too

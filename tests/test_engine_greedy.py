@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import ddtree.engine.verifier as verifier_module
-from ddtree.commit import pack_accepted
 from ddtree.engine import Engine
+from ddtree.kv_cache import pack_accepted
 from ddtree.params import SamplingParams
 from ddtree.tree import TreeSpec, build_tree_batch, draft_candidates
 from ddtree.verify import ancestor_mask

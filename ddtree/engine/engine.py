@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ddtree.budget import CostModel
-from ddtree.commit import OutputState, token_logprobs
 from ddtree.drafter import DFlashDrafter
 from ddtree.engine.auto_budget import AutoBudget
 from ddtree.engine.block_manager import BlockManager
@@ -46,6 +45,7 @@ from ddtree.engine.scheduler import Chunk, Scheduler
 from ddtree.engine.step_channel import StepChannel, close_channel
 from ddtree.engine.verifier import Verifier, advance_grammar, delta_of
 from ddtree.errors import DDTreeError
+from ddtree.logprobs import token_logprobs
 from ddtree.models import (
     DEFAULT_DRAFTER,
     DEFAULT_TARGET,
@@ -57,6 +57,7 @@ from ddtree.models import (
     load_target,
     media_token_ids,
 )
+from ddtree.output import OutputState
 from ddtree.params import (
     AUTO,
     SamplingParams,

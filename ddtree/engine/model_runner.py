@@ -35,14 +35,13 @@ from ddtree.capture import (
     tree_mask,
     upload,
 )
-from ddtree.commit import pack_accepted
 from ddtree.drafter import DFlashDrafter
 from ddtree.engine.memory import CacheConfig, KVPlan, activation_bytes, gib, peak_bytes, plan_kv
 from ddtree.engine.request import Request
 from ddtree.engine.step_channel import StepChannel, close_channel, replicated
 from ddtree.errors import DDTreeError
 from ddtree.forward import Float32Linear, TargetForward
-from ddtree.kv_cache import KVLayout, PagedKVCache
+from ddtree.kv_cache import KVLayout, PagedKVCache, pack_accepted
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ddtree.commit import OutputState, TokenLogprobs
+from ddtree.logprobs import TokenLogprobs
+from ddtree.output import OutputState
 from ddtree.params import AUTO, SamplingParams, lossy_threshold_fields
 from ddtree.stats import mean_acceptance_length
 

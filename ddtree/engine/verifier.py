@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 from ddtree.capture import pick, upload
-from ddtree.commit import token_logprobs
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Request, StreamDelta
+from ddtree.logprobs import token_logprobs
 from ddtree.sampling import SamplingTensors, filtered_probs, inverse_cdf, sample_tree_batch
 from ddtree.tree import TreeBatch
 from ddtree.verify import Accepted, accept_greedy, ancestor_mask, walk_greedy

@@ -13,8 +13,8 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 
-from ddtree.commit import OutputState
 from ddtree.errors import DDTreeError
+from ddtree.output import OutputState
 from ddtree.params import SamplingParams
 from ddtree.server.chat import render_chat
 from ddtree.server.errors import invalid

@@ -1,62 +1,19 @@
-"""The one commit path shared by greedy and sampled verification (and by the dflash and ar baselines).
+"""A request's output as it is committed: its tokens, text, logprobs and finish reason.
 
 A round's verdict, per row, is ``(accepted node indices with the root first, emitted tokens with the bonus
-last)``. Committing it means: write the tokens (stopping exactly at EOS, a stop token id, a stop string or
-``max_new_tokens``, even in the middle of an accepted block), pack the target KV row so the accepted nodes
-sit contiguously after the committed context, and keep those nodes' hidden features for the drafter's next
-pass.
+last)``; ``OutputState.write`` takes the tokens, stopping exactly at EOS, a stop token id, a stop string or
+``max_new_tokens``, even in the middle of an accepted block (the KV packing of the accepted nodes is
+``kv_cache.pack_accepted``; their logprobs ``logprobs.token_logprobs``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from ddtree.detokenize import IncrementalDetokenizer
 from ddtree.errors import DDTreeError
-from ddtree.kv_cache import PagedKVCache
+from ddtree.logprobs import TokenLogprobs
 from ddtree.params import SamplingParams
-
-
-def pack_accepted(
-    cache: PagedKVCache, tables: torch.Tensor, starts: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor
-) -> None:
-    """Row i (block table ``tables[i]``) keeps the keys/values of its accepted nodes ``path[i, :lengths[i]]``
-    at columns ``starts[i] + 0 .. lengths[i]`` (tables [B, width + 1], starts [B], path [B, S], lengths [B]).
-
-    A path is increasing node indices starting with the root (0), which stays where it is; every row moves
-    in one gather and one scatter per buffer, on the device (a first-child chain moves onto itself), with
-    the entries past a row's path sent to the scratch column. The tree's other columns need no clearing:
-    the next round's mask hides everything past a row's committed tokens.
-    """
-    steps = path.shape[1]
-    on_path = torch.arange(steps, device=path.device)[None] < lengths[:, None]  # [B, S]
-    src = torch.where(on_path, starts[:, None] + path, cache.scratch)  # [B, S]
-    dst = torch.where(on_path, starts[:, None] + torch.arange(steps, device=path.device), cache.scratch)
-    cache.move_cols(tables, src, dst)
-
-
-@dataclass
-class TokenLogprobs:
-    """The target's own log-probabilities at one emitted position (raw logits, before sampling transforms)."""
-
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]  # the ``n`` most probable tokens, most probable first
-
-
-def token_logprobs(logits: torch.Tensor, tokens: list[int], n: int) -> list[TokenLogprobs]:
-    """Logprobs of ``tokens`` under ``logits`` [len(tokens), V], row i being the distribution of token i."""
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [m, V]
-    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
-    top = logp.topk(n, dim=-1) if n > 0 else None
-    top_ids = top.indices.tolist() if top is not None else [[] for _ in tokens]
-    top_vals = top.values.tolist() if top is not None else [[] for _ in tokens]
-    return [
-        TokenLogprobs(t, c, list(zip(ids, vals, strict=True)))
-        for t, c, ids, vals in zip(tokens, chosen, top_ids, top_vals, strict=True)
-    ]
 
 
 @dataclass

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from ddtree.capture import upload
 from ddtree.errors import DDTreeError
 from ddtree.params import StructuredOutputs
 
@@ -132,9 +133,17 @@ class GrammarState:
         return masks.numpy()
 
 
-def next_masks(states: Sequence[GrammarState]) -> np.ndarray:
-    """[C, W] int32: what each state allows next, on the host (the caller uploads it, pinned)."""
-    return torch.stack([state.next_mask() for state in states]).numpy()
+def mask_next(logits: torch.Tensor, states: Sequence[GrammarState | None]) -> torch.Tensor:
+    """``logits`` [B, V] (a copy) with what each row's grammar forbids next at -inf; rows whose state is
+    None are left alone. One pinned upload for the row indices and one for the masks."""
+    constrained = [i for i, state in enumerate(states) if state is not None]
+    if not constrained:
+        return logits
+    at = upload(np.asarray(constrained, dtype=np.int64), logits.device)
+    masks = torch.stack([states[i].next_mask() for i in constrained]).numpy()  # [C, W] int32
+    logits = logits.clone()
+    logits[at] = apply_masks(logits[at], upload(masks, logits.device))
+    return logits
 
 
 def apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from ddtree.budget import AcceptanceCalibration, CostModel, LinearCost, tree_acc
 from ddtree.cli import build_parser
 from ddtree.engine import Engine
 from ddtree.engine.auto_budget import AUTO_MAX_BACKOFF, AutoRound
+from ddtree.engine.verifier import Verdicts
 from ddtree.params import AUTO, SamplingParams
 from tests.conftest import tiny_drafter, tiny_target
 
@@ -104,7 +105,7 @@ def test_a_first_draft_that_was_not_verified_still_teaches_the_calibration(commi
         candidates=np.array([3]),
         auto=[0],
     )
-    engine.auto.learn([row], np.array([1]), seen, [([0], [committed])])
+    engine.auto.learn([row], np.array([1]), seen, Verdicts([[committed]], [[0]], [None], [None]))
     hits, count = cal._counts["greedy"]
     prior_hits, prior_count = cal._prior
     at = cal._bins(np.array([0.42]))[0]

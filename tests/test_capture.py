@@ -244,9 +244,9 @@ def test_auto_rows_catch_up_a_long_backlog_with_repeated_fixed_passes(eager: Eng
     passes = []
     draft_pass = padded.proposer.draft_pass
 
-    def spy(slots, b, c, tables, fixed):
+    def spy(slots, c, tables, fixed):
         passes.append((len(padded.scheduler.running[0].stats.acceptance_lengths), fixed))
-        return draft_pass(slots, b, c, tables, fixed)
+        return draft_pass(slots, c, tables, fixed)
 
     padded.proposer.draft_pass = spy
     params = SamplingParams(max_new_tokens=90)

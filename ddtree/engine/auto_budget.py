@@ -24,7 +24,7 @@ from ddtree.budget import AcceptanceCalibration, CostModel, choose_counts, condi
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import AutoStatus, Request
 from ddtree.engine.scheduler import Scheduler
-from ddtree.engine.verifier import Verdict
+from ddtree.engine.verifier import Verdicts
 from ddtree.tree import TreeBatch
 
 logger = logging.getLogger("ddtree")
@@ -46,6 +46,8 @@ class AutoRound:
     parents: np.ndarray  # [B, N] candidates' parents (0: a first draft, a child of the root)
     candidates: np.ndarray  # [B] candidate nodes per row, root included
     auto: list[int] = field(default_factory=list)  # rows with budget "auto"
+    widths: dict[int, int] = field(default_factory=dict)  # decided: auto rows' drafted nodes, by row
+    skip: int | None = None  # decided: plain rounds the auto rows take now (None: no new stretch)
 
 
 def kind(r: Request) -> str:
@@ -58,7 +60,7 @@ class AutoBudget:
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, cost_model: CostModel | None) -> None:
         self.runner = runner
-        self.scheduler = scheduler  # its auto_skip: plain rounds left for auto rows
+        self.scheduler = scheduler  # read only: its auto_skip, plain rounds left for auto rows
         self.cost = cost_model or CostModel()  # measured at the first auto round, then kept current
         self.calibration = AcceptanceCalibration()
         self.status = AutoStatus()
@@ -79,7 +81,8 @@ class AutoBudget:
         """Cut every "auto" row's candidate tree to the prefix of its pop order that maximises the batch's
         expected tokens per second (ddtree.budget), and start a stretch of plain rounds for the auto rows
         when even the best pick loses to a round without the drafter. Returns the cut trees and what the
-        choice read from the device (the round's extra device->host copies, for auto rows only)."""
+        choice read from the device (the round's extra device->host copies, for auto rows only) and decided
+        (the auto rows' widths, a stretch of plain rounds), for the scheduler to apply."""
         if not (self._costs_measured or self.cost.frozen):
             self._measure_costs()
         logw = trees.logw.cpu().numpy()  # [B, N]
@@ -126,12 +129,12 @@ class AutoBudget:
             kind, why = self._why_plain(gains)
             grown = longest if kind == "rarely accepted" else 2 * self._auto_backoff
             self._auto_backoff = min(max(grown, 1), longest)
-            self.scheduler.auto_skip = self._auto_backoff
+            seen.skip = self._auto_backoff
             widths = [0] * len(auto)
             self._say(False, kind, why)
         for i, k, w in zip(auto, counts, widths, strict=True):
             sizes[i] = k + 1
-            rows[i].auto_width = w
+            seen.widths[i] = w
         return trees.cut(sizes), seen
 
     def _why_plain(self, gains: list[np.ndarray]) -> tuple[str, str]:
@@ -164,22 +167,24 @@ class AutoBudget:
         return tree_acceptance(self.calibration, kind(r), seen.logw[i, :m], seen.parents[i, :m])
 
     def learn(
-        self, rows: list[Request], sizes: np.ndarray, seen: AutoRound | None, verdicts: list[Verdict]
-    ) -> None:
-        """Record each row's drafted nodes and, in rounds whose candidates came to the host for the auto
-        choice, calibrate the drafter against what the target accepted: every verified node of a ddtree row
-        whose parent was accepted (the target saw it) or, where none was verified, the likeliest first draft,
-        which would have been accepted exactly when it is the token the target committed next. (Only that
-        one: whether any other unverified node would have been accepted depends on more than that token.)"""
-        for r, m in zip(rows, sizes, strict=True):
-            r.stats.drafted_nodes.append(int(m) - 1)
-        if seen is None:
-            self._record_rounds(rows, sizes)
-            return
-        for i, (r, m, (nodes, tokens)) in enumerate(zip(rows, sizes, verdicts, strict=True)):
+        self, rows: list[Request], sizes: np.ndarray, seen: AutoRound | None, verdicts: Verdicts
+    ) -> AutoStatus | None:
+        """Calibrate the drafter against what the target accepted, in rounds whose candidates came to the
+        host for the auto choice: every verified node of a ddtree row whose parent was accepted (the target
+        saw it) or, where none was verified, the likeliest first draft, which would have been accepted
+        exactly when it is the token the target committed next. (Only that one: whether any other
+        unverified node would have been accepted depends on more than that token.) Returns the policy's
+        state for the auto rows' stats (None: no auto row)."""
+        if seen is not None:
+            self._calibrate(rows, sizes, seen, verdicts)
+        return self._record_rounds(rows, sizes, seen)
+
+    def _calibrate(self, rows: list[Request], sizes: np.ndarray, seen: AutoRound, verdicts: Verdicts) -> None:
+        for i, (r, m) in enumerate(zip(rows, sizes, strict=True)):
             n = int(seen.candidates[i])
             if r.method != "ddtree" or n == 1:
                 continue
+            nodes, tokens = verdicts.nodes[i], verdicts.tokens[i]
             accepted = np.zeros(m, dtype=bool)  # [m] root first
             accepted[nodes] = True
             if m == 1:  # nothing verified: the likeliest first draft (node 1) tells what it would have done
@@ -193,18 +198,20 @@ class AutoBudget:
                 self._first.append(bool(seen.tokens[i, 1] == tokens[0]))  # node 1: the likeliest first draft
         self.status.first_drafts = len(self._first)
         self.status.first_drafts_accepted = sum(self._first)
-        self._record_rounds(rows, sizes)
 
-    def _record_rounds(self, rows: list[Request], sizes: np.ndarray) -> None:
-        """Count the auto rows' rounds with and without drafted nodes; each row's stats get a snapshot."""
-        self.status.stretch = self.scheduler.auto_skip
-        for r, m in zip(rows, sizes, strict=True):
-            if r.auto:
-                if m > 1:
-                    self.status.drafted_rounds += 1
-                else:
-                    self.status.plain_rounds += 1
-                r.stats.auto = replace(self.status)
+    def _record_rounds(
+        self, rows: list[Request], sizes: np.ndarray, seen: AutoRound | None
+    ) -> AutoStatus | None:
+        """Count the auto rows' rounds with and without drafted nodes; a snapshot for their stats."""
+        decided = seen is not None and seen.skip is not None
+        self.status.stretch = seen.skip if decided else self.scheduler.auto_skip
+        auto = [m for r, m in zip(rows, sizes, strict=True) if r.auto]
+        if not auto:
+            return None
+        drafted = sum(1 for m in auto if m > 1)
+        self.status.drafted_rounds += drafted
+        self.status.plain_rounds += len(auto) - drafted
+        return replace(self.status)
 
     def observe(self, verified_tokens: int, verify_seconds: float, draft_rows: int, draft_seconds: float,
                 round_seconds: float) -> None:  # fmt: skip

@@ -40,12 +40,12 @@ from ddtree.engine.launch import check_world, start_tensor_parallel
 from ddtree.engine.memory import CacheConfig
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.proposer import Proposer
-from ddtree.engine.request import GenerationResult, GenerationStats, Request, StreamDelta
-from ddtree.engine.scheduler import Chunk, Scheduler
+from ddtree.engine.request import GenerationResult, GenerationStats, Request, StepOutput, StreamDelta
+from ddtree.engine.scheduler import Chunk, Scheduler, delta_of
 from ddtree.engine.step_channel import StepChannel, close_channel
-from ddtree.engine.verifier import Verifier, advance_grammar, delta_of
+from ddtree.engine.verifier import Verifier
 from ddtree.errors import DDTreeError
-from ddtree.logprobs import token_logprobs
+from ddtree.logprobs import TokenLogprobs, token_logprobs
 from ddtree.models import (
     DEFAULT_DRAFTER,
     DEFAULT_TARGET,
@@ -362,7 +362,7 @@ class Engine:
                 if self.drafter is not None:
                     bs, tables = self.drafter.block_size, runner.block_tables([], b)
                     for _ in range(replays):
-                        self.proposer.draft_pass([None] * b, b, bs, tables, True, span)
+                        self.proposer.draft_pass([None] * b, bs, tables, True, span)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.warmup_seconds += time.perf_counter() - t
@@ -472,13 +472,9 @@ class Engine:
 
         As in vLLM, the request's last delta carries finish_reason "abort" (its stream's, or the next
         ``step``'s)."""
-        request = self.scheduler.remove_waiting(request_id)
+        request = self.scheduler.abort(request_id)
         if request is None:
-            request = self.scheduler.find(request_id)
-            if request is None:
-                return False
-            self._release(request)
-        request.output.finish_reason = "abort"
+            return False
         self._route([delta_of(request, len(request.output.token_ids))])
         return True
 
@@ -621,56 +617,53 @@ class Engine:
             self.runner.block_tables(batch),
             features=any(r.drafts for r in batch),
         )  # [B, V], [B, P, F * H]
-        done = [i for i, c in enumerate(chunks) if c.last]
-        for i, c in enumerate(chunks):
-            c.request.computed += c.tokens
-            if c.request.drafts:
-                c.request.features.append(features[i, : c.tokens])  # [tokens, F * H]
-        self.proposer.ingest([r for r in batch if r.drafts])
-        first = [i for i in done if not batch[i].output.token_ids]
-        roots = dict(
-            zip(first, self.verifier.first_tokens(logits[first], [batch[i] for i in first]), strict=True)
+        drafting = [i for i, r in enumerate(batch) if r.drafts]
+        self.proposer.ingest(
+            [batch[i] for i in drafting], [features[i, : chunks[i].tokens] for i in drafting]
         )
+        first = [i for i, c in enumerate(chunks) if c.last and not c.request.output.token_ids]
+        tokens: list[list[int]] = [[] for _ in batch]
+        logprobs: list[list[TokenLogprobs] | None] = [None] * len(batch)
+        for i, t in zip(
+            first, self.verifier.first_tokens(logits[first], [batch[i] for i in first]), strict=True
+        ):
+            tokens[i] = [t]
+            if batch[i].params.logprobs is not None:
+                logprobs[i] = token_logprobs(logits[i : i + 1], [t], batch[i].params.logprobs)
         seconds = self._now() - t0
-        for r in batch:
-            r.stats.prefill_seconds += seconds  # every chunk's step, not only the last one's
         self._token_seconds = moving(
             self._token_seconds, seconds / (len(chunks) * max(c.tokens for c in chunks))
         )
         self._pace_prefill()
-        deltas = []
-        for i in done:
-            r = batch[i]
-            r.start = r.computed
-            if i not in roots:  # resumed after a preemption: its output is already written
-                r.root = r.output.token_ids[-1]
-                continue
-            r.root = roots[i]
-            want = r.params.logprobs is not None
-            r.output.write(
-                [r.root], token_logprobs(logits[i : i + 1], [r.root], r.params.logprobs) if want else None
+        return self.scheduler.update_from_output(
+            StepOutput(
+                rows=batch,
+                tokens=tokens,
+                logprobs=logprobs,
+                consumed=[c.tokens if c.request.drafts else 0 for c in chunks],
+                features=[None] * len(batch),
+                prefilled=[c.tokens for c in chunks],
+                seconds=seconds,
             )
-            advance_grammar(r, 0)
-            deltas.append(delta_of(r, 0))
-        self.scheduler.cache_blocks(batch)
-        self._release_finished([batch[i] for i in done])
-        return deltas
+        )
 
     def _round(self) -> list[StreamDelta]:
         """Draft, build every row's tree, verify all trees in one target forward, accept, commit.
 
         From the draft to the verdicts the round runs on the device; the host waits twice: for the trees'
         depth (``Verifier.accept``, while the verify forward runs) and for the verdicts
-        (``Verifier.commit``). Rows with budget "auto" add one copy (their trees' draft log-probs) and time
-        the stages, as profiling does (``StageClock``: CUDA events read after the round's last sync, so
-        timing adds no wait).
+        (``Verifier.verdicts``). Rows with budget "auto" add one copy (their trees' draft log-probs) and
+        time the stages, as profiling does (``StageClock``: CUDA events read after the round's last sync,
+        so timing adds no wait). The scheduler then applies the round to its rows.
         """
         rows = self.scheduler.schedule_round(self.proposer.columns)  # blocks taken; may preempt
         clock = StageClock(self.device, self.profile or any(r.auto for r in rows))
         t_round = time.perf_counter()  # the last step ended with a sync: the device is not behind
         drafting = self.scheduler.drafting_this_round(rows)
         with clock.stage("draft"):
-            draft_logits = self.proposer.draft(drafting) if drafting else None  # [D, depth, V]
+            draft_logits, consumed = (
+                self.proposer.draft(drafting) if drafting else (None, [])
+            )  # [D, depth, V]
         with clock.stage("tree"):
             trees = self.proposer.trees(rows, drafting, draft_logits)
             seen = None
@@ -687,20 +680,29 @@ class Engine:
         with clock.stage("accept"):
             accepted = self.verifier.accept(rows, trees, hidden)  # the LM head closes the target forward
         with clock.stage("commit"):
-            deltas, verdicts = self.verifier.commit(rows, accepted, hidden, features, batch.tables)
-            self.auto.learn(rows, trees.sizes, seen, verdicts)
-            self.scheduler.cache_blocks(rows)
-            self._release_finished(rows)
+            verdicts = self.verifier.verdicts(rows, accepted, hidden, features, batch.tables)
+            status = self.auto.learn(rows, trees.sizes, seen, verdicts)
+            eaten = {id(r): k for r, k in zip(drafting, consumed, strict=True)}
+            deltas = self.scheduler.update_from_output(
+                StepOutput(
+                    rows=rows,
+                    tokens=verdicts.tokens,
+                    logprobs=verdicts.logprobs,
+                    consumed=[eaten.get(id(r), 0) for r in rows],
+                    features=verdicts.features,
+                    drafted_nodes=[int(m) - 1 for m in trees.sizes],
+                    auto_widths={} if seen is None else seen.widths,
+                    auto_skip=None if seen is None else seen.skip,
+                    auto_status=status,
+                )
+            )
         elapsed = time.perf_counter() - t_round
         self._round_seconds = moving(self._round_seconds, elapsed)
         self._pace_prefill()
         seconds = clock.seconds()
         if clock.enabled:
             self.auto.observe(batch.ids.numel(), seconds["verify"], len(drafting), seconds["draft"], elapsed)
-        for r in rows:
-            for name, value in seconds.items():
-                r.stats.stage_seconds[name] += value
-            r.stats.decode_seconds += elapsed
+        self.scheduler.record_round_time(rows, seconds, elapsed)
         return deltas
 
     def _pace_prefill(self) -> None:
@@ -713,15 +715,6 @@ class Engine:
         if self.prefill_gap_rounds is not None and known:
             tokens = int(self.prefill_gap_rounds * self._round_seconds / self._token_seconds)
             self.scheduler.decode_chunk = max(self.blocks.block_size, tokens)
-
-    def _release_finished(self, rows: list[Request]) -> None:
-        for r in rows:
-            if r.output.finish_reason is not None:
-                self._release(r)
-
-    def _release(self, r: Request) -> None:
-        """A running request's blocks go back to the pool."""
-        self.scheduler.release(r)
 
     # -- timing -----------------------------------------------------------------------------------------
 

@@ -7,15 +7,27 @@ also consumes the target features each round committed, so its cache follows the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ddtree.capture import pick, upload
+from ddtree.capture import pick
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Request
 from ddtree.sampling import SamplingTensors, filtered_probs
 from ddtree.tree import TreeBatch, TreeSpec, build_tree_batch, draft_candidates
+
+
+@dataclass(frozen=True)
+class DraftSlot:
+    """One row of a drafter pass: the target features it consumes now [k, F * H] (None: none), the
+    drafter-cache column they start at, and the root its block starts with (-1 while prefilling)."""
+
+    features: torch.Tensor | None
+    start: int
+    root: int
 
 
 class Proposer:
@@ -28,56 +40,69 @@ class Proposer:
         # sampling transform (verification is unchanged). Off by default: measured, it did not pay.
         self.sampling_aware_trees = sampling_aware_trees
 
-    def ingest(self, rows: list[Request]) -> None:
-        """Give the drafter the prefilled chunks now, in the prefill's step (whose shapes vary anyway), so a
-        round's drafter pass only ever sees what one round commits."""
+    def ingest(self, rows: list[Request], features: list[torch.Tensor]) -> None:
+        """Give the drafter the prefilled chunks' target features ([T_i, F * H] per row, all consumed) now,
+        in the prefill's step (whose shapes vary anyway), so a round's drafter pass only ever sees what one
+        round commits."""
         if rows:
-            width = max(sum(x.shape[0] for x in r.features) for r in rows)
-            self.draft_pass(rows, len(rows), width, self.runner.block_tables(rows), fixed=False)
+            slots = [DraftSlot(f, r.draft_len, r.root) for r, f in zip(rows, features, strict=True)]
+            width = max(f.shape[0] for f in features)
+            self.draft_pass(slots, width, self.runner.block_tables(rows), fixed=False)
 
-    def draft(self, rows: list[Request]) -> torch.Tensor:
+    def draft(self, rows: list[Request]) -> tuple[torch.Tensor, list[int]]:
         """One drafter pass over these rows' [root, MASK x (block_size - 1)]; returns their draft logits
-        [D, depth, V] (depth: as deep as the deepest row's tree can grow).
+        [D, depth, V] (depth: as deep as the deepest row's tree can grow) and the context features each
+        row's drafter consumed (all it had pending: the scheduler drops them).
 
         A row's context may hold the features of several rounds (budget "auto" skips the drafter while
         drafting does not pay): the pass catches up on all of them, so the drafter's cache ends up exactly
         as if it had drafted every round. With fixed shapes the pass is padded to a batch bucket, with a
         context of one block: a longer backlog repeats the same pass, and the last one drafts.
         """
+        pending = [torch.cat(r.features) if r.features else None for r in rows]  # [T_i, F * H]
+        totals = [0 if p is None else p.shape[0] for p in pending]
         if self.runner.fixed_shapes:
             b = pick(self.runner.batch_buckets, len(rows))
-            slots = [*rows, *[None] * (b - len(rows))]
-            tables = self.runner.block_tables(slots)
-            hidden = self.draft_pass(slots, b, self.runner.drafter.block_size, tables, fixed=True)
-            while any(r.features for r in rows):
-                hidden = self.draft_pass(slots, b, self.runner.drafter.block_size, tables, fixed=True)
+            tables = self.runner.block_tables([*rows, *[None] * (b - len(rows))])
+            c, done = self.runner.drafter.block_size, [0] * len(rows)
+            while True:
+                slots = [
+                    DraftSlot(None if p is None else p[d : d + c], r.draft_len + d, r.root)
+                    for r, p, d in zip(rows, pending, done, strict=True)
+                ]
+                hidden = self.draft_pass([*slots, *[None] * (b - len(rows))], c, tables, fixed=True)
+                done = [min(t, d + c) for t, d in zip(totals, done, strict=True)]
+                if done == totals:
+                    break
         else:
-            width = max(sum(x.shape[0] for x in r.features) for r in rows)
-            hidden = self.draft_pass(rows, len(rows), width, self.runner.block_tables(rows), fixed=False)
+            slots = [DraftSlot(p, r.draft_len, r.root) for r, p in zip(rows, pending, strict=True)]
+            hidden = self.draft_pass(slots, max(totals), self.runner.block_tables(rows), fixed=False)
         depth = max(self.depth(r) for r in rows)
         hidden = hidden[: len(rows), 1 : 1 + depth].to(self.runner.draft_head.dtype)  # [D, depth, H]
-        return F.linear(hidden, self.runner.draft_head, self.runner.draft_head_bias).float()  # [D, depth, V]
+        logits = F.linear(
+            hidden, self.runner.draft_head, self.runner.draft_head_bias
+        ).float()  # [D, depth, V]
+        return logits, totals
 
     def draft_pass(
         self,
-        slots: list[Request | None],
-        b: int,
+        slots: list[DraftSlot | None],
         c: int,
         tables: np.ndarray,
         fixed: bool,
         span: int | None = None,
     ) -> torch.Tensor:
-        """One drafter forward over ``b`` rows with block tables ``tables`` [b, width + 1] (``fixed``: a
-        captured shape and span bucket).
+        """One drafter forward over ``len(slots)`` rows with block tables ``tables`` [b, width + 1]
+        (``fixed``: a captured shape and span bucket), reading nothing of a request but its slot.
 
-        Slot i (its request, or None to idle) consumes up to ``c`` of its pending context features and
-        places its block right after them. Returns the blocks' hidden states [b, S, H]; a row's drafts are
-        valid once its whole context is consumed.
+        Slot i (None to idle) writes its at most ``c`` context features at its ``start`` column and places
+        its block right after them. Returns the blocks' hidden states [b, S, H]; a row's drafts are valid
+        once its whole context is consumed.
 
         Idle and padding rows write only the scratch column and see column 0, so they stay finite and
         change nothing.
         """
-        bs, device = self.runner.drafter.block_size, self.runner.device
+        b, bs, device = len(slots), self.runner.drafter.block_size, self.runner.device
         scratch = self.runner.draft_cache.scratch
         width = len(self.runner.drafter.target_layer_ids) * self.runner.embed.embedding_dim
         features = torch.zeros(b, c, width, dtype=self.runner.dtype, device=device)  # [b, C, F * H]
@@ -87,20 +112,17 @@ class Proposer:
         block_cols = np.full((b, bs), scratch, dtype=np.int64)
         block_positions = np.broadcast_to(np.arange(bs), (b, bs))
         ends = np.ones(b, dtype=np.int64)
-        for i, r in enumerate(slots):
-            if r is None:
+        for i, slot in enumerate(slots):
+            if slot is None:
                 continue
-            pending = torch.cat(r.features) if len(r.features) > 1 else r.features[0] if r.features else None
-            k = 0 if pending is None else min(c, pending.shape[0])
+            k = 0 if slot.features is None else slot.features.shape[0]
             if k:
-                features[i, :k] = pending[:k]
-                ctx_cols[i, :k] = ctx_positions[i, :k] = r.draft_len + np.arange(k)
-                r.draft_len += k
-                r.features = [pending[k:]] if pending.shape[0] > k else []
-            if r.root >= 0:  # while prefilling there is no root yet (and the block is not read)
-                block[i, 0] = r.root
-            block_cols[i] = r.draft_len + np.arange(bs)  # after the consumed context
-            ends[i] = r.draft_len + bs
+                features[i, :k] = slot.features
+                ctx_cols[i, :k] = ctx_positions[i, :k] = slot.start + np.arange(k)
+            if slot.root >= 0:  # while prefilling there is no root yet (and the block is not read)
+                block[i, 0] = slot.root
+            block_cols[i] = slot.start + k + np.arange(bs)  # after the consumed context
+            ends[i] = slot.start + k + bs
         inputs = self.runner.inputs.load(
             fixed,
             block=block,
@@ -198,13 +220,9 @@ def grammar_first_level(drafting: list[Request], logits: torch.Tensor) -> torch.
     """Structured-output rows draft their first level from the tokens their grammar allows next (known
     before the tree: what follows the root), so no depth-1 node is one the grammar forbids. Deeper levels
     depend on the path and stay as drafted; verification masks every node either way."""
-    constrained = [i for i, r in enumerate(drafting) if r.grammar is not None]
-    if not constrained:
+    if not any(r.grammar is not None for r in drafting):
         return logits
-    from ddtree.grammar import apply_masks, next_masks  # xgrammar: only for engines that serve them
+    from ddtree.grammar import mask_next  # xgrammar: only for engines that serve it
 
-    at = upload(np.asarray(constrained, dtype=np.int64), logits.device)
-    masks = upload(next_masks([drafting[i].grammar for i in constrained]), logits.device)  # [C, W]
-    logits = logits.clone()
-    logits[at, 0] = apply_masks(logits[at, 0], masks)  # [C, V]
+    logits[:, 0] = mask_next(logits[:, 0], [r.grammar for r in drafting])  # [D, V]; the round's own copy
     return logits

@@ -174,3 +174,22 @@ class Request:
     @property
     def auto(self) -> bool:
         return self.budget == AUTO
+
+
+@dataclass
+class StepOutput:
+    """A step's results for its rows (lists aligned with ``rows``), applied by
+    ``Scheduler.update_from_output``: the one place a step changes its requests. The parts that computed
+    them (proposer, verifier, auto budget) only read requests."""
+
+    rows: list[Request]
+    tokens: list[list[int]]  # tokens each row commits (none for a chunk that does not end a prefill)
+    logprobs: list[list[TokenLogprobs] | None]  # their log-probabilities, when the row asked for them
+    consumed: list[int]  # context features each row's drafter consumed (dropped from its pending ones)
+    features: list[torch.Tensor | None]  # new target features for each row's drafter to consume [m, F * H]
+    prefilled: list[int] | None = None  # a prefill step: the tokens each row's chunk put in the cache
+    seconds: float = 0.0  # a prefill step's wall time (a round's is recorded after its commit)
+    drafted_nodes: list[int] | None = None  # a round: drafted nodes each row verified
+    auto_widths: dict[int, int] = field(default_factory=dict)  # auto rows' chosen widths, by row index
+    auto_skip: int | None = None  # plain rounds the auto rows now take (None: no new stretch)
+    auto_status: AutoStatus | None = None  # the auto policy after this round, for its rows' stats

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ddtree.engine.block_manager import BlockManager
-from ddtree.engine.request import Request
+from ddtree.engine.request import Request, StepOutput, StreamDelta
 from ddtree.errors import DDTreeError
 
 
@@ -163,6 +163,70 @@ class Scheduler:
             final = r.computed if r.prefilling else r.start
             self.blocks.cache(r, min(final, r.draft_len) if r.drafts else final, r.drafts)
 
+    def update_from_output(self, out: StepOutput) -> list[StreamDelta]:
+        """Apply a step's results to its requests (chunks prefilled, the drafter's context consumed and
+        grown, tokens committed with their logprobs, grammar and stats, the auto budget's decisions), index
+        the rows' newly final blocks and release the finished rows. Returns a delta per row whose output
+        grew (a prefill's first token, a round's tokens)."""
+        deltas = []
+        for i, r in enumerate(out.rows):
+            if out.consumed[i]:
+                r.draft_len += out.consumed[i]
+                r.features = []  # a pass consumes all a row has pending
+            if out.features[i] is not None:
+                r.features.append(out.features[i])
+            if i in out.auto_widths:
+                r.auto_width = out.auto_widths[i]
+            if out.auto_status is not None and r.auto:
+                r.stats.auto = out.auto_status
+            if out.drafted_nodes is not None:
+                r.stats.drafted_nodes.append(out.drafted_nodes[i])
+            if out.prefilled is not None:
+                r.computed += out.prefilled[i]
+                r.stats.prefill_seconds += out.seconds  # every chunk's step, not only the last one's
+                if r.prefilling:
+                    continue
+                r.start = r.computed
+                if not out.tokens[i]:  # resumed after a preemption: its output is already written
+                    r.root = r.output.token_ids[-1]
+                    continue
+            tokens, before = out.tokens[i], len(r.output.token_ids)
+            taken = r.output.write(tokens, out.logprobs[i])
+            if r.grammar is not None:
+                r.grammar.accept(r.output.token_ids[before:])
+            if out.prefilled is None:
+                r.start += len(tokens)
+                r.stats.acceptance_lengths.append(len(tokens))
+                r.stats.decode_tokens += taken
+            r.root = tokens[-1]
+            deltas.append(delta_of(r, before))
+        if out.auto_skip is not None:
+            self.auto_skip = out.auto_skip
+        self.cache_blocks(out.rows)
+        for r in out.rows:
+            if r.output.finish_reason is not None:
+                self.release(r)
+        return deltas
+
+    def record_round_time(self, rows: list[Request], stage_seconds: dict[str, float], seconds: float) -> None:
+        """A round's wall time and its stages' (shared by its rows), once the round is over."""
+        for r in rows:
+            for name, value in stage_seconds.items():
+                r.stats.stage_seconds[name] += value
+            r.stats.decode_seconds += seconds
+
+    def abort(self, request_id: str) -> Request | None:
+        """Drop a waiting or running request (a running one's blocks go back to the pool); its output
+        finishes with "abort". None if no live request has that id."""
+        r = self._remove_waiting(request_id)
+        if r is None:
+            r = self.find(request_id)
+            if r is None:
+                return None
+            self.release(r)
+        r.output.finish_reason = "abort"
+        return r
+
     def preempt(self, r: Request) -> None:
         """Free r's blocks and queue it first: its next prefill recomputes its prompt and output."""
         self._leave(r)
@@ -179,7 +243,7 @@ class Scheduler:
         self.auto_skip = max(self.auto_skip - 1, 0)
         return drafting
 
-    def remove_waiting(self, request_id: str) -> Request | None:
+    def _remove_waiting(self, request_id: str) -> Request | None:
         r = next((r for r in self.waiting if r.request_id == request_id), None)
         if r is not None:
             self.waiting.remove(r)
@@ -193,3 +257,16 @@ class Scheduler:
         self.running.remove(r)
         self.blocks.free(r)
         r.features = []
+
+
+def delta_of(r: Request, before: int) -> StreamDelta:
+    """What request r's output gained since it held ``before`` tokens (its newly stable text is handed out
+    now)."""
+    return StreamDelta(
+        request_id=r.request_id,
+        token_ids=r.output.token_ids[before:],
+        text=r.output.new_text(),
+        finish_reason=r.output.finish_reason,
+        stats=r.stats,
+        logprobs=r.output.logprobs[before:],
+    )

@@ -1,8 +1,7 @@
 """Checking the proposals: every row's tree as one verify batch, the target's LM heads over its hidden
-states, acceptance (the greedy walk, or tree rejection sampling with SGLang's contract), and the one commit
-path that turns a verdict into tokens, packed KV and drafter features.
-
-A verdict is, per row, ``(accepted node indices with the root first, emitted tokens with the bonus last)``.
+states, acceptance (the greedy walk, or tree rejection sampling with SGLang's contract), and the verdicts:
+the accepted nodes' KV packed and their drafter features kept on the device, the tokens brought to the host
+in one copy. ``Scheduler.update_from_output`` writes them into the requests.
 """
 
 from __future__ import annotations
@@ -14,8 +13,8 @@ import torch
 
 from ddtree.capture import pick, upload
 from ddtree.engine.model_runner import ModelRunner
-from ddtree.engine.request import Request, StreamDelta
-from ddtree.logprobs import token_logprobs
+from ddtree.engine.request import Request
+from ddtree.logprobs import TokenLogprobs, token_logprobs
 from ddtree.sampling import SamplingTensors, filtered_probs, inverse_cdf, sample_tree_batch
 from ddtree.tree import TreeBatch
 from ddtree.verify import Accepted, accept_greedy, ancestor_mask, walk_greedy
@@ -23,7 +22,17 @@ from ddtree.verify import Accepted, accept_greedy, ancestor_mask, walk_greedy
 ARGMAX_CHUNK_ENTRIES = 1 << 24  # logits per LM-head call of the greedy acceptance (64 MB in float32)
 SAMPLE_ENTRIES = 1 << 26  # at most this many filtered probabilities at once (256 MB in float32)
 
-Verdict = tuple[list[int], list[int]]  # (accepted nodes, root first; emitted tokens, bonus last)
+
+@dataclass
+class Verdicts:
+    """A round's verdicts on the host, one entry per row: the tokens it commits (bonus last), the tree
+    nodes they were accepted at (root first), their log-probabilities (rows that asked) and the accepted
+    nodes' target features for the row's drafter ([m, F * H]; None for rows without a drafter)."""
+
+    tokens: list[list[int]]
+    nodes: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None]
+    features: list[torch.Tensor | None]
 
 
 @dataclass
@@ -65,13 +74,10 @@ class Verifier:
 
     def first_tokens(self, logits: torch.Tensor, batch: list[Request]) -> list[int]:
         """The first token of each request, straight from the prefill logits [B, V]."""
-        constrained = [i for i, r in enumerate(batch) if r.grammar is not None]
-        if constrained:
-            from ddtree.grammar import next_masks
+        if any(r.grammar is not None for r in batch):
+            from ddtree.grammar import mask_next  # xgrammar: only for engines that serve it
 
-            at = upload(np.asarray(constrained, dtype=np.int64), logits.device)
-            masks = upload(next_masks([batch[i].grammar for i in constrained]), logits.device)  # [C, W]
-            logits[at] = masked(logits[at], masks)
+            logits = mask_next(logits, [r.grammar for r in batch])
         tokens = logits.argmax(dim=-1)  # [B]
         sampled = [i for i, r in enumerate(batch) if not r.params.greedy]
         if sampled:
@@ -231,18 +237,17 @@ class Verifier:
             trees, probs, coins, torch.stack(finals), self.threshold_single, self.threshold_acc
         )
 
-    def commit(
+    def verdicts(
         self,
         rows: list[Request],
         accepted: Accepted,
         hidden: torch.Tensor,
         features: torch.Tensor | None,
         tables: torch.Tensor,
-    ) -> tuple[list[StreamDelta], list[Verdict]]:
+    ) -> Verdicts:
         """Pack every row's accepted keys/values after its committed tokens (``tables``: the round's block
         tables) and keep its accepted nodes' drafter features, on the device; then bring the verdicts to
-        the host in one copy, write each row's tokens and advance it (the engine releases the rows that
-        finished). Returns the deltas and the verdicts."""
+        the host in one copy, with the log-probabilities of the tokens of rows that asked for them."""
         b, steps = accepted.path.shape
         starts = self.runner.inputs.upload(np.array([r.start for r in rows], dtype=np.int64))  # [B]
         self.runner.pack(tables[:b], starts, accepted.path, accepted.lengths)
@@ -250,31 +255,20 @@ class Verifier:
         if features is not None and any(r.drafts for r in rows):  # [B, S, F * H], a fresh tensor
             kept = features.gather(1, accepted.path[..., None].expand(-1, -1, features.shape[-1]))
         host = torch.cat((accepted.tokens, accepted.path, accepted.lengths[:, None]), dim=1).tolist()
-        deltas, verdicts = [], []
+        out = Verdicts([], [], [], [])
         for i, r in enumerate(rows):
             m = host[i][-1]
             tokens, nodes = host[i][:m], host[i][steps : steps + m]
-            verdicts.append((nodes, tokens))
-            logprobs = None
-            if r.params.logprobs is not None:
-                logprobs = token_logprobs(self.runner.lm_head(hidden[i, nodes]), tokens, r.params.logprobs)
-            before = len(r.output.token_ids)
-            taken = r.output.write(tokens, logprobs)
-            advance_grammar(r, before)
-            if r.drafts:  # rows that skipped the drafter this round keep their earlier features too
-                r.features.append(kept[i, :m])
-            r.start += m
-            r.root = tokens[-1]
-            r.stats.acceptance_lengths.append(len(tokens))
-            r.stats.decode_tokens += taken
-            deltas.append(delta_of(r, before))
-        return deltas, verdicts
-
-
-def advance_grammar(r: Request, before: int) -> None:
-    """Move a structured-output request's grammar past the tokens its output took since ``before``."""
-    if r.grammar is not None:
-        r.grammar.accept(r.output.token_ids[before:])
+            out.tokens.append(tokens)
+            out.nodes.append(nodes)
+            want = r.params.logprobs is not None
+            out.logprobs.append(
+                token_logprobs(self.runner.lm_head(hidden[i, nodes]), tokens, r.params.logprobs)
+                if want
+                else None
+            )
+            out.features.append(kept[i, :m] if r.drafts else None)  # [m, F * H]
+        return out
 
 
 def tree_grammar_masks(rows: list[Request], trees: TreeBatch) -> torch.Tensor | None:
@@ -303,15 +297,3 @@ def masked(logits: torch.Tensor, allowed: torch.Tensor | None, *index) -> torch.
     from ddtree.grammar import apply_masks
 
     return apply_masks(logits, allowed[index] if index else allowed)
-
-
-def delta_of(r: Request, before: int) -> StreamDelta:
-    """What request r's output gained since it held ``before`` tokens."""
-    return StreamDelta(
-        request_id=r.request_id,
-        token_ids=r.output.token_ids[before:],
-        text=r.output.new_text(),
-        finish_reason=r.output.finish_reason,
-        stats=r.stats,
-        logprobs=r.output.logprobs[before:],
-    )

@@ -12,21 +12,18 @@ import sys
 from pathlib import Path
 
 from ddtree import __version__
-from ddtree.argparsing import (
-    Parser,
-    add_compile_options,
-    add_draft_topk,
-    add_memory_options,
-    add_threads_option,
-    add_trust_remote_code,
-    apply_threads,
-    check_compile_options,
-    check_threads,
-    memory_options,
-)
+from ddtree.argparsing import Parser, add_load_options, apply_threads, check_threads
 from ddtree.bench.cli import register_bench
+from ddtree.config import (
+    BATCH_FLAGS,
+    COMPILE_FLAGS,
+    MEMORY_FLAGS,
+    PARALLEL_FLAGS,
+    SPECULATIVE_FLAGS,
+    EngineConfig,
+    add_engine_flags,
+)
 from ddtree.errors import DDTreeError
-from ddtree.params import AUTO, METHODS, check_accept_thresholds, check_speculative_options, parse_budget
 from ddtree.server.options import add_server_options
 from ddtree.training.cli import register as register_train
 
@@ -46,49 +43,13 @@ SERVE_EXAMPLES = """example:
   ddtree serve --device cuda --compile --max-batch-size 8 --batch-buckets 1,2,4,8   # compiled at start-up"""
 
 
+ENGINE_FLAGS = SPECULATIVE_FLAGS + PARALLEL_FLAGS + MEMORY_FLAGS + COMPILE_FLAGS  # generate's and serve's
+
+
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
-    """Model and method flags, shared by every command that runs the engine."""
-    p.add_argument(
-        "--target", type=Path, default=None, help="HF target model directory (the built-in one if omitted)"
-    )
-    p.add_argument(
-        "--drafter", type=Path, default=None, help="DFlash drafter directory (the built-in one if omitted)"
-    )
-    p.add_argument(
-        "--method",
-        choices=METHODS,
-        default="ddtree",
-        help="ddtree: draft tree; dflash: the drafter's argmax chain; ar: plain decoding",
-    )
-    p.add_argument("--budget", type=parse_budget, default=AUTO,
-                   help="ddtree: draft tree nodes per round, or 'auto' (chosen per round from the measured "
-                   "cost and calibrated acceptance; plain rounds where drafting does not pay)")  # fmt: skip
-    add_draft_topk(p)
-    p.add_argument(
-        "--speculative-accept-threshold-single",
-        dest="accept_threshold_single",
-        type=float,
-        default=1.0,
-        metavar="P",
-        help="SGLang's threshold_single: accept a drafted token whose target probability is >= P; "
-        "LOSSY below 1.0 (output no longer follows the target's distribution)",
-    )
-    p.add_argument(
-        "--speculative-accept-threshold-acc",
-        dest="accept_threshold_acc",
-        type=float,
-        default=1.0,
-        metavar="A",
-        help="SGLang's threshold_acc: accept when coin < (siblings' target mass) / A; LOSSY below 1.0",
-    )
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")  # fmt: skip
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                   help="shard the target over N ranks (Megatron-style; gloo on CPUs, NCCL on GPUs 0..N-1); "
-                   "ddtree starts them, or run under torchrun with N processes")  # fmt: skip
-    add_memory_options(p)
-    add_trust_remote_code(p)
-    add_threads_option(p)
-    add_compile_options(p)
+    """Model, method, memory and compile flags, shared by every command that runs the engine."""
+    add_load_options(p)
+    add_engine_flags(p, ENGINE_FLAGS)
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -119,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Serve the engine over an OpenAI-compatible HTTP API.",
                          epilog=SERVE_EXAMPLES)  # fmt: skip
     _add_engine_options(srv)
+    add_engine_flags(srv, BATCH_FLAGS)
     add_server_options(srv)
     srv.set_defaults(func=_serve)
     register_bench(sub)
@@ -129,24 +91,19 @@ def build_parser() -> argparse.ArgumentParser:
 GENERATE_BATCH_SIZE = 1  # ``generate`` runs one request: one row, and one batch shape to compile
 
 
-def max_batch_size(args: argparse.Namespace) -> int:
-    """``serve``'s --max-batch-size; ``generate`` runs one request."""
-    return args.max_batch_size if "max_batch_size" in args else GENERATE_BATCH_SIZE
-
-
 def check_engine_flags(args: argparse.Namespace):
-    """The checks that need no model: method, budget, topk, thresholds, compile buckets, threads, device.
-    Returns the device."""
+    """The checks that need no model (every EngineConfig rule, threads, device). Returns the device and
+    the config."""
     from ddtree.engine.launch import check_world
     from ddtree.models import check_device
 
-    check_speculative_options(args.method, args.budget, args.topk)
-    check_accept_thresholds(args.accept_threshold_single, args.accept_threshold_acc)
-    check_compile_options(args, max_batch_size(args))
+    overrides = {} if "max_num_seqs" in args else {"max_num_seqs": GENERATE_BATCH_SIZE}
+    # stage seconds cost a device sync per stage: only with --stats
+    config = EngineConfig.from_args(args, profile=bool(getattr(args, "stats", False)), **overrides)
     check_threads(args.threads)
     device = check_device(args.device)
-    check_world(args.tensor_parallel_size, device)
-    return device
+    check_world(config.tensor_parallel_size, device)
+    return device, config
 
 
 def engine_from_args(args: argparse.Namespace):
@@ -158,7 +115,7 @@ def engine_from_args(args: argparse.Namespace):
     from ddtree.engine import Engine
     from ddtree.models import DEFAULT_DRAFTER, DEFAULT_TARGET
 
-    device = check_engine_flags(args)
+    device, config = check_engine_flags(args)
     args.threads = apply_threads(args.threads)  # before any weight is loaded; --stats and serve report it
     target = args.target or DEFAULT_TARGET
     drafter = args.drafter
@@ -170,31 +127,8 @@ def engine_from_args(args: argparse.Namespace):
         )
     if args.target is None and not DEFAULT_TARGET.is_dir():
         raise DDTreeError("the built-in models are not installed; pass --target (and --drafter)")
-    compiled = {}
-    if args.compile:
-        compiled = {
-            "compile": True,
-            "batch_buckets": args.batch_buckets,
-            "node_buckets": args.node_buckets,
-            "span_buckets": args.span_buckets,
-            "attention": args.attention_backend,
-        }
     return Engine.from_pretrained(
-        target,
-        drafter,
-        method=args.method,
-        budget=args.budget,
-        topk=args.topk,
-        device=device,
-        dtype=args.dtype,
-        tensor_parallel_size=args.tensor_parallel_size,
-        trust_remote_code=args.trust_remote_code,
-        accept_threshold_single=args.accept_threshold_single,
-        accept_threshold_acc=args.accept_threshold_acc,
-        max_num_seqs=max_batch_size(args),
-        **memory_options(args),
-        profile=bool(getattr(args, "stats", False)),  # stage seconds cost a device sync per stage
-        **compiled,
+        target, drafter, config, device=device, dtype=args.dtype, trust_remote_code=args.trust_remote_code
     )
 
 
@@ -204,7 +138,7 @@ def serve_torchrun_rank(args: argparse.Namespace) -> None:
     from ddtree.engine.rank_worker import ShardSpec, run_torchrun_worker
     from ddtree.models import DEFAULT_TARGET
 
-    device = check_engine_flags(args)
+    device, _ = check_engine_flags(args)
     threads = apply_threads(args.threads)
     target = str(args.target or DEFAULT_TARGET)
     run_torchrun_worker(ShardSpec(target, args.dtype, str(device), args.max_model_len, threads))

@@ -108,7 +108,7 @@ def test_bucket_options_are_checked_before_anything_runs(eager: Engine):
         Engine(target, drafter, max_batch_size=4, fixed_shapes=True, batch_buckets=[1, 2])
     with pytest.raises(DDTreeError, match="batch_buckets"):
         Engine(target, drafter, max_batch_size=4, fixed_shapes=True, batch_buckets=[0, 4])
-    with pytest.raises(DDTreeError, match="need fixed shapes"):
+    with pytest.raises(DDTreeError, match="node_buckets needs fixed shapes"):
         Engine(target, drafter, node_buckets=[5])
     with pytest.raises(DDTreeError, match="span_buckets may not exceed"):
         Engine(target, drafter, max_model_len=64, fixed_shapes=True, span_buckets=[16, 100])
@@ -120,7 +120,7 @@ def test_bucket_options_are_checked_before_anything_runs(eager: Engine):
         Engine(target, drafter, attention="flex")
     with pytest.raises(DDTreeError, match="attention must be one of sdpa, flex"):
         Engine(target, drafter, compile=True, attention="paged")
-    with pytest.raises(DDTreeError, match="span buckets are for attention='sdpa'"):
+    with pytest.raises(DDTreeError, match="span_buckets is for attention='sdpa'"):
         Engine(target, drafter, compile=True, attention="flex", span_buckets=[32])
     padded = Engine(target, drafter, budget=8, fixed_shapes=True, node_buckets=[5, 17])
     with pytest.raises(DDTreeError, match="largest node bucket"):

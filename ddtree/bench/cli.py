@@ -13,21 +13,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-from ddtree.argparsing import (
-    Parser,
-    add_compile_options,
-    add_draft_topk,
-    add_memory_options,
-    add_threads_option,
-    add_trust_remote_code,
-    apply_threads,
-    check_compile_options,
-    comma_list,
-    memory_options,
-)
+from ddtree.argparsing import Parser, add_load_options, apply_threads, comma_list
+from ddtree.config import COMPILE_FLAGS, MEMORY_FLAGS, PARALLEL_FLAGS, EngineConfig, add_engine_flags
 from ddtree.errors import DDTreeError
 from ddtree.params import parse_budget
 
@@ -56,26 +47,14 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed passes over all prompts")
     p.add_argument("--warmup", type=int, default=1, help="untimed prompts run first by every config")
     p.add_argument("--seed", type=int, default=0, help="base seed; each (prompt, repeat) derives its own")
-    add_draft_topk(p)
     p.add_argument("--pld-tokens", type=int, default=10, help="hf-pld: prompt_lookup_num_tokens")
-    p.add_argument(
-        "--target", type=Path, default=None, help="HF target model directory (the built-in one if omitted)"
-    )
-    p.add_argument(
-        "--drafter", type=Path, default=None, help="DFlash drafter directory (the built-in one if omitted)"
-    )
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                   help="shard the target over N ranks (engine methods only, without --compile)")  # fmt: skip
-    add_memory_options(p)
-    add_trust_remote_code(p)
-    add_threads_option(p)
+    add_load_options(p)
+    add_engine_flags(p, ("topk", *PARALLEL_FLAGS, *MEMORY_FLAGS, *COMPILE_FLAGS))
     p.add_argument("--tree-vocab", type=int, default=32768,
                    help="vocabulary of the tree-build timing; 0 = skip it")  # fmt: skip
     p.add_argument("--concurrency", type=comma_list(int, "--concurrency"), default=None,
                    help="instead of one request at a time: keep C requests in flight in the batched engine, "
                    "for each C of this list (e.g. 1,4,16); reports throughput vs concurrency")  # fmt: skip
-    add_compile_options(p)
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -108,20 +87,24 @@ def compiled_node_buckets(cfg, auto_max_budget: int, drafter) -> list[int]:
     return list(node_ladder(deepest))
 
 
-def load_engines(args: argparse.Namespace, cfg, max_batch_size: int = 1):
+def load_engines(args: argparse.Namespace, cfg, config: EngineConfig):
     """{False: the default engine, True: the compiled one (``--compile`` only)} on the same weights, the
-    target and drafter directories. The compiled engine's node buckets hold every budget of ``cfg``.
-    Both time their stages (``profile=True``): the runner reads the drafter's first pass."""
+    target and drafter directories. ``config``: the flags' (checked). The compiled engine's node buckets
+    hold every budget of ``cfg``. Both time their stages (``profile=True``): the runner reads the drafter's
+    first pass."""
     from ddtree.engine import Engine
     from ddtree.params import AUTO
 
-    if args.tensor_parallel_size > 1:
-        return load_sharded_engine(args, cfg, max_batch_size)
+    if config.tensor_parallel_size > 1:
+        return load_sharded_engine(args, cfg, config)
     target, tokenizer, drafter, target_dir, drafter_dir = load_models(args, cfg.needs_drafter)
     method = "ddtree" if drafter is not None else "ar"
-    common = dict(method=method, max_batch_size=max_batch_size, profile=True) | memory_options(args)
-    engines = {False: Engine(target, drafter, tokenizer, **common)}
-    if args.compile:
+    eager = replace(
+        config, method=method, compile=False, batch_buckets=None, node_buckets=None, span_buckets=None,
+        attention="sdpa",
+    )  # fmt: skip
+    engines = {False: Engine(target, drafter, tokenizer, eager)}
+    if config.compile:
         # Every request names its method and budget; the engine's own are checked against its node
         # buckets: the largest integer budget (a bucket too small for it fails here, before compiling).
         ints = [b for b in cfg.budgets if b != AUTO]
@@ -129,24 +112,14 @@ def load_engines(args: argparse.Namespace, cfg, max_batch_size: int = 1):
             default = {"method": "ddtree", "budget": max(ints) if ints else AUTO}
         else:
             default = {"method": "dflash" if drafter is not None else "ar"}
-        node_buckets = args.node_buckets
-        if node_buckets is None:
-            node_buckets = compiled_node_buckets(cfg, engines[False].auto_max_budget, drafter)
+        node_buckets = config.node_buckets or compiled_node_buckets(cfg, config.auto_max_budget, drafter)
         engines[True] = Engine(
-            target,
-            drafter,
-            tokenizer,
-            **(common | default),
-            compile=True,
-            batch_buckets=args.batch_buckets,
-            node_buckets=node_buckets,
-            span_buckets=args.span_buckets,
-            attention=args.attention_backend,
+            target, drafter, tokenizer, replace(config, **default, node_buckets=node_buckets)
         )
     return engines, target_dir, drafter_dir
 
 
-def load_sharded_engine(args: argparse.Namespace, cfg, max_batch_size: int):
+def load_sharded_engine(args: argparse.Namespace, cfg, config: EngineConfig):
     """``--tensor-parallel-size N``: one engine over N ranks (one process group per process, so no compiled
     sibling; and HF's ``generate`` would run rank 0's shard alone, so no ``hf`` methods)."""
     from ddtree.bench.runner import HF_METHODS
@@ -154,8 +127,8 @@ def load_sharded_engine(args: argparse.Namespace, cfg, max_batch_size: int):
     from ddtree.engine.launch import check_world
     from ddtree.models import check_device
 
-    check_world(args.tensor_parallel_size, check_device(args.device))
-    if args.compile:
+    check_world(config.tensor_parallel_size, check_device(args.device))
+    if config.compile:
         raise DDTreeError(
             "bench --compile compares two engines in one process; not with --tensor-parallel-size"
         )
@@ -167,14 +140,10 @@ def load_sharded_engine(args: argparse.Namespace, cfg, max_batch_size: int):
     engine = Engine.from_pretrained(
         target_dir,
         drafter_dir,
-        method="ddtree" if drafter_dir is not None else "ar",
+        replace(config, method="ddtree" if drafter_dir is not None else "ar"),
         device=args.device,
         dtype=args.dtype,
-        tensor_parallel_size=args.tensor_parallel_size,
         trust_remote_code=args.trust_remote_code,
-        max_batch_size=max_batch_size,
-        profile=True,
-        **memory_options(args),
     )
     return {False: engine}, target_dir, drafter_dir
 
@@ -252,8 +221,8 @@ def run_bench_command(args: argparse.Namespace) -> None:
     levels = args.concurrency or (1,)
     if min(levels) < 1:
         raise DDTreeError(f"--concurrency levels must be >= 1, got {min(levels)}")
-    check_compile_options(args, max(levels))
-    engines, target_dir, drafter_dir = load_engines(args, cfg, max_batch_size=max(levels))
+    config = EngineConfig.from_args(args, max_num_seqs=max(levels), profile=True)
+    engines, target_dir, drafter_dir = load_engines(args, cfg, config)
     try:
         bench_engines(args, cfg, prompts, engines, target_dir, drafter_dir)
     finally:

@@ -26,12 +26,14 @@ import random
 import time
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from ddtree.budget import CostModel
+from ddtree.config import EngineConfig
 from ddtree.drafter import DFlashDrafter
 from ddtree.engine.auto_budget import AutoBudget
 from ddtree.engine.block_manager import BlockManager
@@ -58,19 +60,10 @@ from ddtree.models import (
     media_token_ids,
 )
 from ddtree.output import OutputState
-from ddtree.params import (
-    AUTO,
-    SamplingParams,
-    StructuredOutputs,
-    check_accept_thresholds,
-    check_speculative_options,
-    parse_size,
-)
+from ddtree.params import AUTO, SamplingParams, StructuredOutputs, check_speculative_options
 
 if TYPE_CHECKING:
     from ddtree.grammar import GrammarCompiler, GrammarState
-
-PREFILL_GAP_ROUNDS = 4.0  # while requests decode, a prefill step takes about this many rounds' time at most
 
 
 def check_engine_options(
@@ -95,122 +88,68 @@ class Engine:
         target,
         drafter: DFlashDrafter | None = None,
         tokenizer=None,
-        method: str = "ddtree",
-        budget: int | str = AUTO,
-        topk: int | None = None,
-        draft_dtype: torch.dtype | None = None,
-        max_num_seqs: int | None = None,
-        max_model_len: int | None = None,
-        max_num_batched_tokens: int = 2048,
-        kv_cache_memory: int | str | None = None,
-        gpu_memory_utilization: float = 0.9,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        max_batch_size: int | None = None,
-        prefill_gap_rounds: float | None = PREFILL_GAP_ROUNDS,
-        accept_threshold_single: float = 1.0,
-        accept_threshold_acc: float = 1.0,
-        auto_max_budget: int = 64,
-        sampling_aware_trees: bool = False,
+        config: EngineConfig | None = None,
+        *,
         cost_model: CostModel | None = None,
-        compile: bool = False,
-        fixed_shapes: bool | None = None,
-        batch_buckets: list[int] | None = None,
-        node_buckets: list[int] | None = None,
-        span_buckets: list[int] | None = None,
-        attention: str = "sdpa",
-        profile: bool = False,
-        tensor_parallel_size: int = 1,
         channel: StepChannel | None = None,
+        **options,
     ) -> None:
-        """``channel``: rank 0's step channel when ``target`` is its tensor-parallel shard (built by
-        ``from_pretrained(tensor_parallel_size=N)``, which starts the other ranks). ``prefill_gap_rounds``:
-        while requests decode, a prefill step prefills what this many rounds' measured time does (None:
-        ``max_num_batched_tokens`` alone, scheduling that does not depend on timing).
-        ``enable_prefix_caching``: a request whose prompt starts with full blocks another request computed
-        reuses their keys/values (and the drafter's context) instead of prefilling them (vLLM's automatic
-        prefix caching; ``add_request(cache_salt=)`` keeps tenants apart)."""
-        if tensor_parallel_size != 1 and channel is None:
+        """``config`` (``ddtree.config.EngineConfig``: every option, its default and its check) with
+        ``options`` (its fields as keywords) over it. ``cost_model``: budget "auto"'s starting costs
+        (measured at the first auto round when None).
+        ``channel``: rank 0's step channel when ``target`` is its tensor-parallel shard (built by
+        ``from_pretrained(tensor_parallel_size=N)``, which starts the other ranks)."""
+        config = EngineConfig.build(config, **options)
+        if config.tensor_parallel_size != 1 and channel is None:
             raise DDTreeError(
                 "tensor_parallel_size needs Engine.from_pretrained(TARGET_DIR, DRAFTER_DIR, "
                 "tensor_parallel_size=N): every rank loads its own shard from the target's directory"
             )
+        self.config = config
         self.target = target.eval()
         self.tokenizer = tokenizer
         if drafter is not None:
             check_pair(target, drafter, tokenizer)
-        self.method, self.budget, self.topk = check_engine_options(method, budget, topk, drafter is not None)
-        self.accept_threshold_single, self.accept_threshold_acc = check_accept_thresholds(
-            accept_threshold_single, accept_threshold_acc
-        )
+        check_engine_options(config.method, config.budget, config.topk, drafter is not None)
         context = int(getattr(target.config, "max_position_embeddings", 1 << 30))
-        if max_num_seqs is not None and max_batch_size is not None and max_num_seqs != max_batch_size:
+        if config.max_model_len is not None and config.max_model_len > context:
             raise DDTreeError(
-                f"max_num_seqs ({max_num_seqs}) and its alias max_batch_size ({max_batch_size}) disagree"
+                f"max_model_len {config.max_model_len} exceeds the target's context of {context} tokens"
             )
-        if max_num_seqs is None:
-            max_num_seqs = 16 if max_batch_size is None else max_batch_size
-        for name, value in (
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-            ("auto_max_budget", auto_max_budget),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise DDTreeError(f"{name} must be an integer >= 1, got {value!r}")
-        if prefill_gap_rounds is not None and (
-            isinstance(prefill_gap_rounds, bool)
-            or not isinstance(prefill_gap_rounds, (int, float))
-            or not prefill_gap_rounds > 0
-        ):
-            raise DDTreeError(f"prefill_gap_rounds must be a number > 0 or None, got {prefill_gap_rounds!r}")
-        self.prefill_gap_rounds = prefill_gap_rounds
-        if max_model_len is not None and (
-            isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not 2 <= max_model_len
-        ):
-            raise DDTreeError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
-        if max_model_len is not None and max_model_len > context:
-            raise DDTreeError(
-                f"max_model_len {max_model_len} exceeds the target's context of {context} tokens"
-            )
-        self.max_model_len = max_model_len or context
-        check_target_attention(target.config.to_dict(), "target", self.max_model_len)
-        self.max_num_seqs = max_num_seqs
+        check_target_attention(target.config.to_dict(), "target", config.max_model_len or context)
         self.eos_token_ids = eos_token_ids(target, tokenizer)
         self._grammars: GrammarCompiler | None = None  # made at the first structured-output request
-        self.profile = profile  # time every stage (waits for the device at each stage boundary)
-        cache_config = CacheConfig(
-            block_size,
-            None if kv_cache_memory is None else parse_size(kv_cache_memory),
-            gpu_memory_utilization,
-        )
-        deepest = self.budget if self.budget != AUTO else auto_max_budget
+        cache_config = CacheConfig(config.block_size, config.kv_cache_memory, config.gpu_memory_utilization)
+        deepest = config.budget if config.budget != AUTO else config.auto_max_budget
         if drafter is not None:
             deepest = max(deepest, drafter.block_size - 1)
         self.runner = ModelRunner(
             target,
             drafter,
-            max_num_seqs,
-            self.max_model_len,
-            max_num_batched_tokens,
+            config.max_num_seqs,
+            config.max_model_len or context,
+            config.max_num_batched_tokens,
             deepest + 1,
             cache_config,
-            max_model_len is not None,
-            draft_dtype,
+            config.max_model_len is not None,
+            config.draft_dtype,
             channel=channel,
         )
         self.max_model_len = self.runner.max_model_len  # lowered to what the KV budget holds, if unset
-        self.blocks = BlockManager(self.runner.num_blocks, block_size, prefix_caching=enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, self.runner.draft_block)
-        self.proposer = Proposer(self.runner, auto_max_budget, sampling_aware_trees)
-        self.verifier = Verifier(self.runner, self.accept_threshold_single, self.accept_threshold_acc)
-        self.auto = AutoBudget(self.runner, self.scheduler, cost_model)
-        self.runner.setup_shapes(
-            compile, fixed_shapes, max_num_seqs, deepest, batch_buckets, node_buckets, span_buckets, attention
+        self.blocks = BlockManager(
+            self.runner.num_blocks, config.block_size, prefix_caching=config.enable_prefix_caching
         )
-        if self.budget != AUTO and self.method == "ddtree":
-            self._check_captured_budget(self.budget)
+        self.scheduler = Scheduler(
+            self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.runner.draft_block
+        )
+        self.proposer = Proposer(self.runner, config.auto_max_budget, config.sampling_aware_trees)
+        self.verifier = Verifier(self.runner, config.accept_threshold_single, config.accept_threshold_acc)
+        self.auto = AutoBudget(self.runner, self.scheduler, cost_model)
+        self.runner.setup_shapes(config, deepest)
+        if config.budget != AUTO and config.method == "ddtree":
+            self._check_captured_budget(config.budget)
         self.warmup_seconds = 0.0
-        if compile:
+        if config.compile:
             self.warm_up()
         # Measured, to cut prefill chunks while requests decode (``_pace_prefill``).
         self._token_seconds: float | None = None  # moving average of a prefill step's seconds per token
@@ -218,21 +157,40 @@ class Engine:
         self._followed: dict[str, deque[StreamDelta]] = {}  # request id -> deltas its stream has not read
         self._unclaimed: list[StreamDelta] = []  # deltas the next `step` returns
 
+    # -- the options, as attributes callers already use (``config`` holds them all) -----------------------
+
+    method = property(lambda self: self.config.method)
+    budget = property(lambda self: self.config.budget)
+    topk = property(lambda self: self.config.topk)
+    accept_threshold_single = property(lambda self: self.config.accept_threshold_single)
+    accept_threshold_acc = property(lambda self: self.config.accept_threshold_acc)
+    auto_max_budget = property(lambda self: self.config.auto_max_budget)
+    max_num_seqs = property(lambda self: self.config.max_num_seqs)
+    prefill_gap_rounds = property(lambda self: self.config.prefill_gap_rounds)
+
+    @property
+    def profile(self) -> bool:
+        return self.config.profile
+
+    @profile.setter
+    def profile(self, on: bool) -> None:
+        """Time every stage from the next step on (each stage then waits for the device)."""
+        self.config = replace(self.config, profile=on)
+
     @classmethod
     def from_pretrained(
         cls,
         target_dir: str | Path | None = None,
         drafter_dir: str | Path | None = None,
-        method: str = "ddtree",
-        budget: int | str = AUTO,
-        topk: int | None = None,
+        config: EngineConfig | None = None,
+        *,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "auto",
-        tensor_parallel_size: int = 1,
         trust_remote_code: bool = False,
-        **engine_options,
+        **options,
     ) -> Engine:
-        """Load a target (and drafter) from local directories; with neither, the built-in pair.
+        """Load a target (and drafter) from local directories; with neither, the built-in pair. ``config``
+        and ``options`` as for ``Engine``, checked before any weight is read.
 
         ``dtype`` "auto" is the checkpoint's, except a small bf16 / fp16 model on a CPU without native bf16
         matmuls, where float32 is faster (``docs/models.md``).
@@ -246,14 +204,15 @@ class Engine:
         is always transformers' own class."""
         if target_dir is None and drafter_dir is None:
             target_dir, drafter_dir = DEFAULT_TARGET, DEFAULT_DRAFTER
-        check_engine_options(method, budget, topk, drafter_dir is not None)  # fail before loading weights
+        config = EngineConfig.build(config, **options)
+        check_engine_options(config.method, config.budget, config.topk, drafter_dir is not None)
         device = check_device(device)
-        check_world(tensor_parallel_size, device)
-        max_model_len = engine_options.get("max_model_len")
+        tp, max_model_len = config.tensor_parallel_size, config.max_model_len
+        check_world(tp, device)
         channel = None
-        if tensor_parallel_size > 1:
+        if tp > 1:
             target, tokenizer, channel = start_tensor_parallel(
-                target_dir, dtype, device, max_model_len, tensor_parallel_size, trust_remote_code
+                target_dir, dtype, device, max_model_len, tp, trust_remote_code
             )
             device = channel.device
         else:
@@ -269,10 +228,7 @@ class Engine:
             if drafter_dir is not None:
                 dtype = next(target.parameters()).dtype  # "auto" resolved
                 drafter = load_drafter(drafter_dir, max_model_len).to(device=device, dtype=dtype)
-            engine = cls(
-                target, drafter, tokenizer, method=method, budget=budget, topk=topk, channel=channel,
-                **engine_options,
-            )  # fmt: skip
+            engine = cls(target, drafter, tokenizer, config, channel=channel)
         except BaseException:
             if channel is not None:
                 close_channel(channel)
@@ -285,8 +241,7 @@ class Engine:
 
     @property
     def tensor_parallel_size(self) -> int:
-        channel = self.runner.channel
-        return 1 if channel is None else channel.tp.world_size
+        return self.config.tensor_parallel_size
 
     def watch_ranks(self, callback) -> None:
         """Call ``callback(reason)`` (from a watcher thread) if a tensor-parallel rank dies."""
@@ -448,11 +403,14 @@ class Engine:
     def check_structured_outputs(self, spec: StructuredOutputs) -> None:
         """Compile ``spec``'s grammar now (cached for ``add_request``): a server calls it off the engine
         thread, so a slow or bad constraint never holds a step. Raises DDTreeError on a bad one."""
-        self._grammar(spec)
+        self._grammar_compiler().compile(spec)
 
     def _grammar(self, spec: StructuredOutputs) -> GrammarState:
         """A new request's place at the start of its grammar, compiled (and cached) now, so that a bad
         constraint fails ``add_request`` and nothing else."""
+        return self._grammar_compiler().state(spec)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
         if self.tokenizer is None:
             raise DDTreeError("structured outputs need the target's tokenizer; this target has none")
         if self._grammars is None:
@@ -460,7 +418,7 @@ class Engine:
 
             vocab = self.runner.lm_head.weight.shape[0]
             self._grammars = GrammarCompiler(self.tokenizer, vocab, sorted(self.eos_token_ids))
-        return self._grammars.state(spec)
+        return self._grammars
 
     def reset_prefix_cache(self) -> None:
         """Forget the cached prefixes no running request holds (vLLM's ``reset_prefix_cache``): the next

@@ -76,18 +76,11 @@ def _status_kib(field: str) -> int:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The user's KV cache settings (vLLM's names)."""
+    """The user's KV cache settings (vLLM's names; checked by ``ddtree.config.EngineConfig``)."""
 
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; wins over the utilization share
     gpu_memory_utilization: float = 0.9
-
-    def __post_init__(self) -> None:
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
-            raise DDTreeError(f"block_size must be an integer >= 1, got {self.block_size!r}")
-        u = self.gpu_memory_utilization
-        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
-            raise DDTreeError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
 
 
 def activation_bytes(

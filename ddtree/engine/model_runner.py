@@ -22,11 +22,10 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from ddtree.attention import ATTENTION_BACKENDS, PagedBlockMask
+from ddtree.attention import PagedBlockMask
 from ddtree.capture import (
     StaticInputs,
     batch_ladder,
-    check_batch_buckets,
     check_buckets,
     compile_forward,
     mark_static,
@@ -35,6 +34,7 @@ from ddtree.capture import (
     tree_mask,
     upload,
 )
+from ddtree.config import EngineConfig
 from ddtree.drafter import DFlashDrafter
 from ddtree.engine.memory import CacheConfig, KVPlan, activation_bytes, gib, peak_bytes, plan_kv
 from ddtree.engine.request import Request
@@ -259,48 +259,27 @@ class ModelRunner:
         return tables
 
     @replicated
-    def setup_shapes(
-        self,
-        compile: bool,
-        fixed_shapes: bool | None,
-        max_batch_size: int,
-        deepest: int,
-        batch_buckets: list[int] | None,
-        node_buckets: list[int] | None,
-        span_buckets: list[int] | None,
-        attention: str = "sdpa",
-    ) -> None:
+    def setup_shapes(self, config: EngineConfig, deepest: int) -> None:
         """Choose the shapes every round is padded to (``deepest``: the most drafted nodes a configured tree
         asks for) and, with ``compile``, compile the two round forwards (the engine then warms them up).
+        ``config``'s buckets are checked already, the span buckets against the row's capacity here.
 
         With SDPA, attention reads a span bucket of leading cache columns: by default the whole row (one
         graph per batch and node bucket); more buckets make short rows read less (the CPU, long contexts)
         at the price of more graphs. With ``attention="flex"`` each row reads its own blocks up to its
         length (``ddtree.attention``), so there is one span: the whole row."""
-        if attention not in ATTENTION_BACKENDS:
-            raise DDTreeError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {attention!r}")
-        if attention == "flex" and not compile:
-            raise DDTreeError(
-                "attention='flex' needs compile=True (uncompiled, FlexAttention is a dense fallback)"
-            )
-        if attention == "flex" and span_buckets is not None:
-            raise DDTreeError("span buckets are for attention='sdpa'; flex reads each row's own length")
-        self.attention = attention
-        self.fixed_shapes = compile if fixed_shapes is None else bool(fixed_shapes)
-        if compile and not self.fixed_shapes:
-            raise DDTreeError("compile=True needs fixed shapes (fixed_shapes=False was given)")
-        self.compiled = bool(compile)
+        compile = config.compile
+        self.attention = config.attention
+        self.fixed_shapes = config.fixed
+        self.compiled = compile
         self.inputs = StaticInputs(self.device, static=compile and self.device.type == "cuda")
         if not self.fixed_shapes:
-            if batch_buckets is not None or node_buckets is not None or span_buckets is not None:
-                raise DDTreeError("batch, node and span buckets need fixed shapes (compile=True)")
             return
-        buckets = check_batch_buckets("batch_buckets", batch_buckets, max_batch_size)
-        self.batch_buckets = buckets or batch_ladder(max_batch_size)
-        self.node_buckets = check_buckets("node_buckets", node_buckets) or node_ladder(deepest)
+        self.batch_buckets = config.batch_buckets or batch_ladder(config.max_num_seqs)
+        self.node_buckets = config.node_buckets or node_ladder(deepest)
         self.max_drafted = self.node_buckets[-1] - 1
         whole = self.cache.capacity  # the last span bucket is always the whole block table
-        spans = check_buckets("span_buckets", span_buckets, whole) or ()
+        spans = check_buckets("span_buckets", config.span_buckets, whole) or ()
         self.span_buckets = tuple(sorted({*map(self.whole_blocks, spans), whole}))
         if compile:
             shapes = len(self.batch_buckets) * len(self.node_buckets) * len(self.span_buckets)

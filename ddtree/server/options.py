@@ -24,14 +24,6 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         help=f"model id clients use (the target directory's name; {DEFAULT_MODEL_NAME} for the built-ins)",
     )
     p.add_argument(
-        "--max-num-seqs",
-        "--max-batch-size",
-        dest="max_batch_size",
-        type=int,
-        default=16,
-        help="requests (choices) the engine runs side by side",
-    )
-    p.add_argument(
         "--max-queue",
         type=int,
         default=64,

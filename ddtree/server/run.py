@@ -126,8 +126,6 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
     exit 2. The engine's flags are the caller's to check (``ddtree.cli.check_engine_flags``)."""
     if not 0 <= args.port <= 65535:
         raise DDTreeError(f"--port must be in [0, 65535], got {args.port}")
-    if args.max_batch_size < 1:
-        raise DDTreeError(f"--max-num-seqs must be >= 1, got {args.max_batch_size}")
     if args.max_queue < 0:
         raise DDTreeError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not args.request_timeout > 0 or not args.shutdown_timeout >= 0:

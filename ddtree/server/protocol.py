@@ -61,6 +61,7 @@ class StructuredOutputsRequest(_Strict):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool | None = Field(None, description="json: only json.dumps' whitespace")
 
 
 class GenerationRequest(_Strict):

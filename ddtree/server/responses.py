@@ -3,7 +3,9 @@
 One formatter serves one request. It accumulates every piece (usage and the ``ddtree`` stats need the
 totals either way) and, when streaming, turns each piece into the chunks OpenAI clients expect:
 completions send ``text`` per chunk; chat sends a role chunk, content chunks, then an empty delta with
-the finish_reason. The chunk that finishes a choice carries that choice's ``ddtree`` stats; with
+the finish_reason. A chat read by a reasoning or tool parser (``MessageParser``) sends
+``reasoning_content`` and ``tool_calls`` deltas too, and its whole answer is those same deltas put
+together. The chunk that finishes a choice carries that choice's ``ddtree`` stats; with
 ``stream_options.include_usage`` a last chunk with ``choices: []`` carries the usage and the totals.
 """
 
@@ -249,8 +251,15 @@ class CompletionAnswer(_Answer):
 class ChatAnswer(_Answer):
     prefix = "chatcmpl"
 
-    def __init__(self, *args, parsing: MessageParsing | None = None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        model: str,
+        include_usage: bool = False,
+        logprobs: bool = False,
+        n: int = 1,
+        parsing: MessageParsing | None = None,
+    ) -> None:
+        super().__init__(model, include_usage, logprobs, n)
         self.parsing = parsing  # None: the text is the content, as it comes
 
     def add(self, piece: Piece) -> _Choice:
@@ -286,9 +295,7 @@ class ChatAnswer(_Answer):
         if self.parsing is None:
             return AssistantMessage(content=c.text)
         return AssistantMessage(
-            content=c.content or None,
-            reasoning_content=(c.reasoning or None) if self.parsing.reasoning else None,
-            tool_calls=c.tool_calls,
+            content=c.content or None, reasoning_content=c.reasoning or None, tool_calls=c.tool_calls
         )
 
     def chunks(self, piece: Piece) -> list[dict]:

@@ -96,12 +96,13 @@ def check_arguments(name: str, arguments: str) -> None:
 
 def streamed(client: openai.OpenAI, **request) -> tuple[dict, str | None]:
     """A streamed chat put together: {"content", "reasoning_content", "tool_calls"} and the finish reason."""
-    message = {"content": "", "reasoning_content": "", "tool_calls": {}}
+    message = {"content": "", "reasoning_content": "", "reasoning": "", "tool_calls": {}}
     finish = None
     for chunk in client.chat.completions.create(model="tiny", stream=True, **request):
         delta = chunk.choices[0].delta
         message["content"] += delta.content or ""
         message["reasoning_content"] += getattr(delta, "reasoning_content", None) or ""
+        message["reasoning"] += getattr(delta, "reasoning", None) or ""
         for call in delta.tool_calls or []:
             if call.id is not None:  # a call's first delta
                 assert call.index == len(message["tool_calls"]) and call.type == "function"
@@ -184,12 +185,13 @@ def test_auto_tool_choice_reads_the_reasoning_and_the_hermes_call_whole_and_stre
     )  # fmt: skip
     choice = client.chat.completions.create(model="tiny", **request).choices[0]
     assert choice.finish_reason == "tool_calls"
-    assert choice.message.content == "\nChecking." and choice.message.reasoning_content == "Cold?"
+    assert choice.message.content == "\nChecking."
+    assert choice.message.reasoning_content == choice.message.reasoning == "Cold?"
     calls = calls_of(choice.message)
     assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", '{"city": "Oslo", "days": 2}')]
     message, finish = streamed(client, **request)
     assert finish == "tool_calls" and message["content"] == "\nChecking."
-    assert message["reasoning_content"] == "Cold?"
+    assert message["reasoning_content"] == message["reasoning"] == "Cold?"
     assert [(c["name"], c["arguments"]) for c in message["tool_calls"]] == [
         ("get_weather", '{"city": "Oslo", "days": 2}')
     ]

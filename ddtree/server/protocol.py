@@ -297,11 +297,13 @@ class ToolCall(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    """``reasoning_content`` appears with a reasoning parser, ``tool_calls`` when the answer made calls."""
+    """The reasoning appears with a reasoning parser (as ``reasoning_content`` and as ``reasoning``, vLLM's
+    newer name, both sent as vLLM sends them), ``tool_calls`` when the answer made calls."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None
     reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
     @model_serializer(mode="wrap")
@@ -309,6 +311,7 @@ class AssistantMessage(BaseModel):
         out = handler(self)
         if self.reasoning_content is None:
             out.pop("reasoning_content", None)
+            out.pop("reasoning", None)
         if not self.tool_calls:
             out.pop("tool_calls", None)
         return out
@@ -349,6 +352,7 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # the same text: vLLM's newer name
     tool_calls: list[DeltaToolCall] | None = None
 
 

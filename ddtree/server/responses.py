@@ -294,8 +294,12 @@ class ChatAnswer(_Answer):
     def _message(self, c: _Choice) -> AssistantMessage:
         if self.parsing is None:
             return AssistantMessage(content=c.text)
+        reasoning = c.reasoning or None
         return AssistantMessage(
-            content=c.content or None, reasoning_content=c.reasoning or None, tool_calls=c.tool_calls
+            content=c.content or None,
+            reasoning_content=reasoning,
+            reasoning=reasoning,
+            tool_calls=c.tool_calls,
         )
 
     def chunks(self, piece: Piece) -> list[dict]:
@@ -337,8 +341,12 @@ def _delta(delta: MessageDelta) -> DeltaMessage:
         )
         for d in delta.tool_calls
     ]
+    reasoning = delta.reasoning or None
     return DeltaMessage(
-        content=delta.content or None, reasoning_content=delta.reasoning or None, tool_calls=calls or None
+        content=delta.content or None,
+        reasoning_content=reasoning,
+        reasoning=reasoning,
+        tool_calls=calls or None,
     )
 
 

@@ -103,24 +103,35 @@ def _object_text(pairs: list[tuple[str, object]], finished: bool) -> str:
 
 
 class Hermes(Format):
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Qwen2.5, Qwen3, Hermes)."""
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Qwen2.5, Qwen3, Hermes).
+
+    Written name first, as these models do, the arguments stream as the model's own JSON text (all but a
+    last ``}`` that may close the call); otherwise they come whole, re-serialised, once the call ends."""
 
     start, end = "<tool_call>", "</tool_call>"
     _name = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+    _arguments = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
     def scan(self, block: str, complete: bool) -> list[PartialCall]:
+        head = self._name.match(block)
+        after = self._arguments.match(block, head.end()) if head else None
         if not complete:
-            match = self._name.match(block)
             try:
-                return [PartialCall(json.loads(f'"{match.group(1)}"'), "")] if match else []
+                name = json.loads(f'"{head.group(1)}"') if head else None
             except ValueError:
+                name = None
+            if name is None:
                 return []
+            raw = block[after.end() :].rstrip() if after else ""
+            return [PartialCall(name, raw.removesuffix("}").rstrip())]
         call = json.loads(block)
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             raise ValueError("a hermes tool call is an object with a name")
+        if after is not None:  # the arguments' own text, as streamed
+            _, end = json.JSONDecoder().raw_decode(block, after.end())
+            return [PartialCall(call["name"], block[after.end() : end])]
         arguments = call.get("arguments", call.get("parameters", {}))
-        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        return [PartialCall(call["name"], text)]
+        return [PartialCall(call["name"], json.dumps(arguments, ensure_ascii=False))]
 
 
 class Qwen3Coder(Format):
@@ -226,10 +237,11 @@ class CallStream:
         raise NotImplementedError
 
     def _extend(self, index: int, arguments: str, out: list[ToolCallDelta]) -> None:
-        """Send what ``arguments`` adds to call ``index``'s (merged into that call's last delta)."""
+        """Send what ``arguments`` adds to call ``index``'s (merged into that call's last delta); nothing
+        when it does not extend what was sent (a call written against its format's habits)."""
         call = self.calls[index]
         new = arguments[len(call.arguments) :]
-        if not new:
+        if not new or not arguments.startswith(call.arguments):
             return
         call.arguments += new
         if out and out[-1].index == index:
@@ -264,8 +276,9 @@ class ToolCallStream(CallStream):
         while self._buffer:
             if self._in_block:
                 at = self._buffer.find(end)
-                if at < 0:
-                    self._send(self.fmt.scan(self._buffer, complete=False), out)
+                if at < 0:  # a scan never sees the start of the end marker
+                    seen = self._buffer[: len(self._buffer) - overlap(self._buffer, end)]
+                    self._send(self.fmt.scan(seen, complete=False), out)
                     break
                 content.append(self._close(self._buffer[:at], end, out))
                 self._buffer = self._buffer[at + len(end) :]

@@ -102,36 +102,70 @@ def _object_text(pairs: list[tuple[str, object]], finished: bool) -> str:
     return (text or "{") + "}" if finished else text
 
 
+def json_end(text: str, start: int) -> int | None:
+    """Where the JSON value that begins at ``text[start]`` ends, or None while more text may extend it (a
+    scan of strings and brackets: the value's own text streams as it comes, whatever follows it)."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+                if depth == 0:
+                    return i + 1
+        elif depth == 0 and i > start and ch in ",}] \t\r\n":
+            return i  # a number or literal has ended
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth <= 0:
+                return i + 1
+    return None
+
+
+def _quoted(text: str) -> str | None:
+    """A JSON string's content (without its quotes) decoded, or None when it is not one."""
+    try:
+        return json.loads(f'"{text}"')
+    except ValueError:
+        return None
+
+
+_STRING = r'"((?:[^"\\]|\\.)*)"'  # a complete JSON string
+
+
 class Hermes(Format):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Qwen2.5, Qwen3, Hermes).
 
-    Written name first, as these models do, the arguments stream as the model's own JSON text (all but a
-    last ``}`` that may close the call); otherwise they come whole, re-serialised, once the call ends."""
+    Written name first, as these models do, the arguments stream as the model's own JSON text; otherwise
+    they come whole, re-serialised, once the call ends."""
 
     start, end = "<tool_call>", "</tool_call>"
-    _name = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+    _head = re.compile(r'\s*\{\s*"name"\s*:\s*' + _STRING)
     _arguments = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
     def scan(self, block: str, complete: bool) -> list[PartialCall]:
-        head = self._name.match(block)
+        head = self._head.match(block)
         after = self._arguments.match(block, head.end()) if head else None
+        at = after.end() if after else len(block)
+        arguments = block[at : json_end(block, at) or len(block)]
         if not complete:
-            try:
-                name = json.loads(f'"{head.group(1)}"') if head else None
-            except ValueError:
-                name = None
-            if name is None:
-                return []
-            raw = block[after.end() :].rstrip() if after else ""
-            return [PartialCall(name, raw.removesuffix("}").rstrip())]
+            name = _quoted(head.group(1)) if head else None
+            return [] if name is None else [PartialCall(name, arguments)]
         call = json.loads(block)
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             raise ValueError("a hermes tool call is an object with a name")
-        if after is not None:  # the arguments' own text, as streamed
-            _, end = json.JSONDecoder().raw_decode(block, after.end())
-            return [PartialCall(call["name"], block[after.end() : end])]
-        arguments = call.get("arguments", call.get("parameters", {}))
-        return [PartialCall(call["name"], json.dumps(arguments, ensure_ascii=False))]
+        if after is None:
+            value = call.get("arguments", call.get("parameters", {}))
+            arguments = json.dumps(value, ensure_ascii=False)
+        return [PartialCall(call["name"], arguments)]
 
 
 class Qwen3Coder(Format):
@@ -351,27 +385,38 @@ class NamedCallStream(CallStream):
 
 
 class RequiredCallsStream(CallStream):
-    """``tool_choice: "required"``: the grammar made the text a JSON array of ``{"name", "parameters"}``
-    (``required_schema``); its calls come out once it is complete (a text cut short stays content)."""
+    """``tool_choice: "required"``: the grammar makes the text a JSON array of ``{"name", "parameters"}``
+    in that order (``required_schema``); each call begins once its name is complete and its arguments
+    stream as written. A text cut short before any name stays content."""
+
+    _item = re.compile(r'\s*[\[,]\s*\{\s*"name"\s*:\s*' + _STRING + r'\s*,\s*"parameters"\s*:\s*')
+    _item_end = re.compile(r"\s*\}")
 
     def __init__(self) -> None:
         super().__init__()
         self._text = ""
+        self._done = 0  # where the next item begins
+        self._open: int | None = None  # the call of the item being written
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self._text += text
-        return "", []
+        out: list[ToolCallDelta] = []
+        while (item := self._item.match(self._text, self._done)) is not None:
+            name = _quoted(item.group(1))
+            if name is None:
+                break
+            if self._open is None:
+                self._open = self._begin(name, None, out)
+            end = json_end(self._text, item.end())
+            self._extend(self._open, self._text[item.end() : end or len(self._text)], out)
+            close = self._item_end.match(self._text, end) if end is not None else None
+            if close is None:
+                break
+            self._done, self._open = close.end(), None
+        return "", out
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        try:
-            items = json.loads(self._text)
-            calls = [(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items]
-        except (ValueError, TypeError, KeyError):
-            return self._text, []
-        out: list[ToolCallDelta] = []
-        for name, arguments in calls:
-            self._extend(self._begin(name, None, out), arguments, out)
-        return "", out
+        return ("" if self.calls else self._text), []
 
 
 def _lift_defs(schema: dict | None, defs: dict) -> dict:

@@ -99,16 +99,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
-    parsing, forced = _message_parsing(request.app.state.ddtree.config, body, tools)
+    parsing, tool_grammar = _message_parsing(request.app.state.ddtree.config, body, tools)
     params = _sampling_params(body, logprobs, body.response_format)
-    if forced is not None:
+    if tool_grammar is not None:
         if params.structured_outputs is not None:
             raise invalid(
                 "tool_choice required or a named function constrains the answer already; drop "
                 "response_format and structured_outputs",
                 "tool_choice",
             )
-        params = replace(params, structured_outputs=forced)
+        params = replace(params, structured_outputs=tool_grammar)
     # vLLM's default: a tool parser reads the special tokens too (kimi_k2's markers are)
     skip_special = not (parsing is not None and parsing.tool_parser is not None)
     plan = Plan(

@@ -4,8 +4,9 @@ Decoding the whole output every round costs O(length) a round, O(length^2) a req
 1,900 tokens on the built-in pair, ~12 ms at 32k). ``tokenizers``' ``DecodeStream`` decodes only the new
 tokens (with a few earlier ones as context, for decoders that depend on it) and holds back bytes that do not
 yet form a whole UTF-8 character. The chunks it returns join to the tokenizer's ``decode`` of the same ids
-with special tokens skipped; ``flush`` returns what the stream still holds (an incomplete character becomes
-U+FFFD, as ``decode`` writes it) once the request ends. The caller keeps the text.
+with special tokens skipped (or kept, as asked); ``flush`` returns what the stream still holds (an
+incomplete character becomes U+FFFD, as ``decode`` writes it) once the request ends. The caller keeps the
+text.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ FLUSH_CONTEXT = 4  # earlier tokens decoded with a flushed tail, so a decoder se
 class IncrementalDetokenizer:
     """One request's text, chunk by chunk: ``push`` a token, ``flush`` once the request has ended."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self._backend = getattr(tokenizer, "backend_tokenizer", None)  # None: a tokenizer without Rust core
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._ids: list[int] = []
         self._held = 0  # trailing ids whose text no chunk has returned yet
 
@@ -55,7 +57,8 @@ class IncrementalDetokenizer:
         """The text of ids[first:], decoded after up to FLUSH_CONTEXT earlier ids; None when
         ``complete_only`` and it ends inside a character."""
         begin = max(0, first - FLUSH_CONTEXT)
-        whole = self.tokenizer.decode(self._ids[begin:], skip_special_tokens=True)
+        skip = self.skip_special_tokens
+        whole = self.tokenizer.decode(self._ids[begin:], skip_special_tokens=skip)
         if complete_only and whole.endswith("\ufffd"):
             return None
-        return whole[len(self.tokenizer.decode(self._ids[begin:first], skip_special_tokens=True)) :]
+        return whole[len(self.tokenizer.decode(self._ids[begin:first], skip_special_tokens=skip)) :]

@@ -62,7 +62,9 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
         if spec.json is not None:
-            return self._compiler.compile_json_schema(spec.json)
+            return self._compiler.compile_json_schema(
+                spec.json, any_whitespace=not spec.disable_any_whitespace
+            )
         if spec.json_object:
             return self._compiler.compile_builtin_json_grammar()
         if spec.regex is not None:

@@ -27,6 +27,7 @@ class OutputState:
     params: SamplingParams
     eos_token_ids: frozenset[int]
     tokenizer: object | None = None
+    skip_special_tokens: bool = True  # as vLLM's sampling parameter: False keeps them in the text
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # aligned with token_ids when requested
     finish_reason: str | None = None
@@ -39,7 +40,11 @@ class OutputState:
         self._stop_ids = set(self.params.stop_token_ids)
         if not self.params.ignore_eos:
             self._stop_ids |= self.eos_token_ids
-        self._detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
+        self._detokenizer = (
+            None
+            if self.tokenizer is None
+            else IncrementalDetokenizer(self.tokenizer, self.skip_special_tokens)
+        )
         self._pieces: list[str] = []  # the text, as it came
         self._unsent = ""  # its end that ``new_text`` has not handed out (a stop string may still cut it)
         self._tail = ""  # its last (longest stop - 1) characters: where a stop string may begin

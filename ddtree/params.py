@@ -108,6 +108,7 @@ class StructuredOutputs:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None  # EBNF (xgrammar's dialect of GBNF)
     json_object: bool = False
+    disable_any_whitespace: bool = False  # json: no whitespace but json.dumps' (", " and ": ")
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -128,9 +129,10 @@ class StructuredOutputs:
             )
 
     @classmethod
-    def of_schema(cls, schema: dict | str) -> StructuredOutputs:
+    def of_schema(cls, schema: dict | str, disable_any_whitespace: bool = False) -> StructuredOutputs:
         """A JSON schema given as an object or as its text."""
-        return cls(json=schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True))
+        text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+        return cls(json=text, disable_any_whitespace=disable_any_whitespace)
 
 
 @dataclass(frozen=True)

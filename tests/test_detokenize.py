@@ -137,6 +137,28 @@ def test_the_detokenizer_holds_a_split_character_until_it_is_whole(tokenizer):
     assert detok.flush() == tokenizer.decode(ids[2:3]) == "\ufffd"
 
 
+@pytest.mark.parametrize("rust_core", [True, False])
+def test_special_tokens_stay_in_the_text_when_asked(tokenizer, rust_core):
+    """A tool parser reads markers that may be special tokens (kimi_k2's): ``skip_special_tokens=False``
+    keeps them, as the tokenizer's decode does; EOS still ends the request outside the text."""
+    ids = (
+        tokenizer.encode("x = <", add_special_tokens=False)
+        + [1]
+        + tokenizer.encode(" y", add_special_tokens=False)
+    )
+    source = tokenizer if rust_core else WithoutRustCore(tokenizer)
+    for skip in (True, False):
+        out = OutputState(
+            SamplingParams(max_new_tokens=50), frozenset({EOS}), source, skip_special_tokens=skip
+        )
+        out.write([*ids, EOS, 5])
+        assert (
+            out.text
+            == tokenizer.decode(ids, skip_special_tokens=skip)
+            == ("x = < y" if skip else "x = <<|mask|> y")
+        )
+
+
 @pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
 def test_engine_streams_equal_results_equal_decode_for_every_method(method):
     engine = Engine.from_pretrained(method=method, budget=16)

@@ -65,6 +65,7 @@ def error_of(response, status: int) -> dict:
 
 COMPLETION = {"model": "tiny", "prompt": "def", "max_tokens": 4}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 C, CH = "/v1/completions", "/v1/chat/completions"
@@ -107,7 +108,12 @@ BAD_REQUESTS = [
      None),
     (CH, CHAT | {"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
     (CH, CHAT | {"top_logprobs": 2}, "top_logprobs", None),
-    (CH, CHAT | {"tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
+    (CH, CHAT | {"tools": [{"type": "function"}]}, "tools[0].function", "missing_required_parameter"),
+    (CH, CHAT | {"tools": [TOOL]}, "tool_choice", None),  # "auto" needs --enable-auto-tool-choice
+    (CH, CHAT | {"tool_choice": "required"}, "tool_choice", None),
+    (CH, CHAT | {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice", None),
+    (CH, CHAT | {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", None),
     (CH, CHAT | {"response_format": {"type": "json_schema", "json_schema": {}}},
      "response_format.json_schema.name", "missing_required_parameter"),
     (CH, CHAT | {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
@@ -219,10 +225,14 @@ def test_lossless_responses_name_no_thresholds_and_lossy_ones_name_both(http, mo
         assert s["accept_threshold_single"] == 0.0 and s["accept_threshold_acc"] == 0.5
 
 
-def test_unsupported_parameters_are_refused_in_our_words(http):
-    tools = error_of(http.post(CH, json=CHAT | {"tools": [{"type": "function"}]}), 400)
-    assert tools["message"] == "tools (function calling) are not supported by this server"
+def test_tools_without_a_tool_parser_are_refused_unless_tool_choice_is_none(http):
+    auto = error_of(http.post(CH, json=CHAT | {"tools": [TOOL]}), 400)
+    assert (
+        auto["message"]
+        == '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+    )
     assert http.post(CH, json=CHAT | {"tools": [], "response_format": {"type": "text"}}).status_code == 200
+    assert http.post(CH, json=CHAT | {"tools": [TOOL], "tool_choice": "none"}).status_code == 200
 
 
 SCHEMA = {

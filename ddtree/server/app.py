@@ -31,6 +31,7 @@ from ddtree.server.metrics import Metrics, MetricsMiddleware
 from ddtree.server.openai_api import router as openai_router
 from ddtree.server.options import DEFAULT_MODEL_NAME
 from ddtree.server.protocol import Health, NotReady
+from ddtree.server.tokenize_api import router as tokenize_router
 from ddtree.server.tokens import TokenNames
 from ddtree.server.worker import EngineWorker
 
@@ -54,6 +55,9 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # CORS for browser clients (none: off)
     limits: Limits = field(default_factory=Limits)
     step_delay: float = 0.0  # a test hook: seconds the engine thread sleeps before each step
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (the default with tools) is allowed
+    tool_call_parser: str | None = None  # ddtree.server.tool_parsers.TOOL_CALL_PARSERS
+    reasoning_parser: str | None = None  # ddtree.server.reasoning.REASONING_PARSERS
 
 
 @dataclass
@@ -160,6 +164,7 @@ def create_app(
         )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.include_router(openai_router)
+    app.include_router(tokenize_router)
 
     @app.get("/health", response_model=Health, tags=["operations"])
     def health() -> Health:

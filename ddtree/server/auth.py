@@ -1,4 +1,5 @@
-"""API keys: ``Authorization: Bearer KEY`` on every ``/v1`` request (and on ``/metrics`` when it has keys).
+"""API keys: ``Authorization: Bearer KEY`` on every ``/v1`` request, ``/tokenize``, ``/detokenize`` and
+``/version`` (and on ``/metrics`` when it has keys).
 
 Keys come from ``--api-key`` (repeat it, or give several after one flag, for several keys) or, when no
 flag gives one, from ``DDTREE_API_KEY`` (comma-separated). A key is compared in constant time (its SHA-256
@@ -17,6 +18,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ddtree.server.errors import APIError
 from ddtree.server.options import API_KEY_ENV
+
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/version"})  # vLLM's, outside /v1: keyed as /v1
 
 
 def api_keys(flags: Iterable[str] | None, env: Mapping[str, str]) -> tuple[str, ...]:
@@ -85,7 +88,8 @@ def bearer(scope: Scope) -> bytes | None:
 
 
 class APIKeyMiddleware:
-    """401 for a ``/v1`` (or keyed ``/metrics``) request without one of the keys; others pass through."""
+    """401 for a ``/v1`` (or ``KEYED_PATHS``, or keyed ``/metrics``) request without one of the keys; others
+    pass through."""
 
     def __init__(self, app: ASGIApp, api_keys: Iterable[str], metrics_api_keys: Iterable[str]) -> None:
         self.app = app
@@ -93,7 +97,7 @@ class APIKeyMiddleware:
         self.metrics_keys = KeyRing(metrics_api_keys)
 
     def _ring(self, path: str) -> KeyRing | None:
-        if path == "/v1" or path.startswith("/v1/"):
+        if path == "/v1" or path.startswith("/v1/") or path in KEYED_PATHS:
             return self.keys
         if path == "/metrics":
             return self.metrics_keys

@@ -50,20 +50,44 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-def plain_prompt(messages: list[dict]) -> str:
+# apply_chat_template's own arguments: chat_template_kwargs may not set them
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+
+
+def plain_prompt(messages: list[dict], add_generation_prompt: bool = True) -> str:
     lines = [f"{ROLE_NAMES[m['role']]}: {m['content']}" for m in messages]
-    return "\n".join([*lines, "Assistant:"])
+    return "\n".join([*lines, "Assistant:"] if add_generation_prompt else lines)
 
 
-def render_chat(tokenizer, messages: list[dict]) -> str:
-    """The prompt for ``messages``: runs on the API side (a worker thread), never on the engine thread."""
+def render_chat(
+    tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """The prompt for ``messages`` (and ``tools``, and the request's ``chat_template_kwargs``, which the
+    plain fallback has no place for): runs on the API side (a worker thread), never on the engine thread."""
     if tokenizer is None:
         raise invalid("this model has no tokenizer, so it cannot chat; use /v1/completions with token ids")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or {}))
+    if reserved:
+        raise invalid(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
     if not getattr(tokenizer, "chat_template", None):
-        return plain_prompt(messages)
+        return plain_prompt(messages, add_generation_prompt)
     from jinja2 import TemplateError
 
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            messages,
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **(template_kwargs or {}),
+        )
     except TemplateError as exc:  # templates reject conversations they cannot render (roles, order)
         raise invalid(f"the chat template refused these messages: {exc}", "messages") from None

@@ -49,6 +49,9 @@ class Plan:
     budget: int | None = None
     topk: int | None = None
     cache_salt: str | None = None
+    tools: list[dict] | None = None  # chat: for the template
+    template_kwargs: dict | None = None  # chat: the request's chat_template_kwargs
+    skip_special_tokens: bool = True  # False: the text keeps them (a tool parser's markers may be special)
 
 
 @dataclass
@@ -93,7 +96,8 @@ def plan_choices(model: ServedModel, plan: Plan) -> list[Choice]:
     prompt x n, seeded ones with ``seed + index``."""
     engine = model.engine
     if plan.messages is not None:
-        prompts, param = [render_chat(engine.tokenizer, plan.messages)], "messages"
+        prompts = [render_chat(engine.tokenizer, plan.messages, plan.tools, plan.template_kwargs)]
+        param = "messages"
     else:
         prompts, param = plan.prompts or [], "prompt"
     choices = []
@@ -151,7 +155,8 @@ class Generation:
         engine = model.engine
         self.rows = {
             f"{request_id}-{c.index}": _Row(
-                c.index, OutputState(c.params, engine.eos_token_ids, engine.tokenizer)
+                c.index,
+                OutputState(c.params, engine.eos_token_ids, engine.tokenizer, plan.skip_special_tokens),
             )
             for c in self.choices
         }

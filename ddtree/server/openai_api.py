@@ -12,6 +12,8 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 
@@ -32,12 +34,17 @@ from ddtree.server.protocol import (
     GenerationRequest,
     ModelCard,
     ModelList,
+    NamedToolChoice,
     ResponseFormat,
     SpeculativeOptions,
     StructuredOutputsRequest,
 )
-from ddtree.server.responses import ChatAnswer, CompletionAnswer
+from ddtree.server.responses import ChatAnswer, CompletionAnswer, MessageParsing
+from ddtree.server.tool_parsers import named_schema, required_schema
 from ddtree.server.worker import Job, QueueFull, ShuttingDown
+
+if TYPE_CHECKING:
+    from ddtree.server.app import ServerConfig
 
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 429, 503, 504)}
 
@@ -52,7 +59,7 @@ def list_models(request: Request) -> ModelList:
 
 @router.get("/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
 def get_model(model_id: str, request: Request) -> ModelCard:
-    _check_model(request, model_id)
+    check_model(request, model_id)
     return _card(request)
 
 
@@ -60,7 +67,7 @@ def get_model(model_id: str, request: Request) -> ModelCard:
 async def create_completion(body: CompletionRequest, request: Request):
     """Continue a prompt (text or token ids; a batch gives ``len(prompt) * n`` choices)."""
     start = time.perf_counter()
-    _check_model(request, body.model)
+    check_model(request, body.model)
     _note_ignored(request, body)
     if body.echo:
         raise unsupported("echo")
@@ -75,6 +82,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         n=n,
         prompts=_prompts(body.prompt),
         cache_salt=body.cache_salt,
+        skip_special_tokens=body.skip_special_tokens is not False,
         **_speculative(body.speculative),
     )
     answer = CompletionAnswer(_name(request), _include_usage(body), body.logprobs is not None, n)
@@ -85,22 +93,36 @@ async def create_completion(body: CompletionRequest, request: Request):
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     """Answer a conversation, rendered by the tokenizer's chat template or the plain fallback."""
     start = time.perf_counter()
-    _check_model(request, body.model)
+    check_model(request, body.model)
     _note_ignored(request, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
-    if body.tools:
-        raise unsupported("tools", "tools (function calling) are not supported by this server")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
+    parsing, tool_grammar = _message_parsing(request.app.state.ddtree.config, body, tools)
+    params = _sampling_params(body, logprobs, body.response_format)
+    if tool_grammar is not None:
+        if params.structured_outputs is not None:
+            raise invalid(
+                "tool_choice required or a named function constrains the answer already; drop "
+                "response_format and structured_outputs",
+                "tool_choice",
+            )
+        params = replace(params, structured_outputs=tool_grammar)
+    # vLLM's default: a tool parser reads the special tokens too (kimi_k2's markers are)
+    skip_special = not (parsing is not None and parsing.tool_parser is not None)
     plan = Plan(
-        params=_sampling_params(body, logprobs, body.response_format),
+        params=params,
         max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
         n=body.n or 1,
         messages=message_dicts(body.messages),
         cache_salt=body.cache_salt,
+        tools=tools or None,
+        template_kwargs=body.chat_template_kwargs,
+        skip_special_tokens=skip_special if body.skip_special_tokens is None else body.skip_special_tokens,
         **_speculative(body.speculative),
     )
-    answer = ChatAnswer(_name(request), _include_usage(body), bool(body.logprobs), plan.n)
+    answer = ChatAnswer(_name(request), _include_usage(body), bool(body.logprobs), plan.n, parsing=parsing)
     return await _answer(request, plan, answer, bool(body.stream), start)
 
 
@@ -214,9 +236,48 @@ def _structured_outputs(
             choice=None if request.choice is None else tuple(request.choice),
             grammar=request.grammar,
             json_object=bool(request.json_object),
+            disable_any_whitespace=bool(request.disable_any_whitespace),
         )
     except DDTreeError as exc:
         raise invalid(str(exc), "structured_outputs") from None
+
+
+def _message_parsing(
+    config: ServerConfig, body: ChatCompletionRequest, tools: list[dict]
+) -> tuple[MessageParsing | None, StructuredOutputs | None]:
+    """How the answers are read (None: the text is the content) and the grammar that ``tool_choice``
+    ``"required"`` or a named function puts on them, as vLLM does; its 400s come before queueing."""
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
+    if choice != "none" and not tools:
+        raise invalid("tool_choice needs tools", "tool_choice")
+    forced = grammar = None
+    if isinstance(choice, NamedToolChoice):
+        tool = next((t for t in tools if t["function"]["name"] == choice.function.name), None)
+        if tool is None:
+            raise invalid(f"tool_choice names {choice.function.name!r}, which is not in tools", "tool_choice")
+        forced, grammar = choice.function.name, _compact(named_schema(tool))
+    elif choice == "required":
+        schema = required_schema(tools, parallel=body.parallel_tool_calls is not False)
+        forced, grammar = "required", _compact(schema)
+    elif choice == "auto" and not (config.enable_auto_tool_choice and config.tool_call_parser):
+        raise invalid(
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+            "tool_choice",
+        )
+    kwargs = body.chat_template_kwargs or {}
+    thinking = kwargs.get("enable_thinking") is not False and kwargs.get("thinking") is not False
+    # a grammar holds the answer from its first token: there is no reasoning to read
+    reasoning = config.reasoning_parser if thinking and forced is None else None
+    tool_parser = config.tool_call_parser if choice == "auto" else None
+    if reasoning is None and tool_parser is None and forced is None:
+        return None, None
+    return MessageParsing(reasoning, tool_parser, tuple(tools), forced), grammar
+
+
+def _compact(schema: dict) -> StructuredOutputs:
+    """A tool call's grammar: JSON with json.dumps' whitespace only, so a model cannot spend its tokens on
+    whitespace between the call's fields (vLLM's disable_any_whitespace)."""
+    return StructuredOutputs.of_schema(schema, disable_any_whitespace=True)
 
 
 def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
@@ -255,7 +316,7 @@ def _name(request: Request) -> str:
     return request.app.state.ddtree.config.model_name
 
 
-def _check_model(request: Request, model: str | None) -> None:
+def check_model(request: Request, model: str | None) -> None:
     name = _name(request)
     if model is not None and model != name:
         message = f"the model {model!r} does not exist; this server serves {name!r}"

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 
+from ddtree.server.reasoning import REASONING_PARSERS
+from ddtree.server.tool_parsers import TOOL_CALL_PARSERS
+
 DEFAULT_MODEL_NAME = "ddtree-default"  # the built-in pair's; a served target directory gives its own name
 API_KEY_ENV = "DDTREE_API_KEY"
 MAX_REQUEST_BYTES = 16 << 20  # a 128k-token prompt is about 0.5 MB of text; 1M token ids about 7 MB of JSON
@@ -43,6 +46,27 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--access-log", action="store_true", help="log every request")
     add_security_options(p)
+    add_parser_options(p)
+
+
+def add_parser_options(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags for reading tool calls and reasoning out of chat answers (names checked by serve, so a
+    wrong one is a one-line error)."""
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='allow tool_choice "auto" (the default when a request has tools); needs --tool-call-parser',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        metavar="NAME",
+        help=f"read tool calls out of chat answers: {', '.join(TOOL_CALL_PARSERS)}",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        metavar="NAME",
+        help=f"split <think> reasoning into reasoning_content: {', '.join(REASONING_PARSERS)}",
+    )
 
 
 def add_security_options(p: argparse.ArgumentParser) -> None:

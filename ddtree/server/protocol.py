@@ -21,10 +21,11 @@ MAX_PROMPTS = 16  # prompts in one batched completions request
 MAX_STOP = 16
 MAX_MESSAGES = 2048  # as OpenAI; checked while parsing, before a model is built per message
 MAX_LOGPROBS = 20  # as ddtree.params.MAX_LOGPROBS
+MAX_TOOLS = 128  # as OpenAI
 MAX_TOPK = 1 << 20
 INT64 = 1 << 63
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 Method = Literal[METHODS]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 _T = TypeVar("_T")
@@ -60,6 +61,7 @@ class StructuredOutputsRequest(_Strict):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool | None = Field(None, description="json: only json.dumps' whitespace")
 
 
 class GenerationRequest(_Strict):
@@ -94,6 +96,11 @@ class GenerationRequest(_Strict):
     structured_outputs: StructuredOutputsRequest | None = Field(
         None, description="vLLM's extension: exactly one of json, regex, choice, grammar, json_object"
     )
+    skip_special_tokens: bool | None = Field(
+        None,
+        description="vLLM's extension: leave special tokens out of the text (default true; false when a tool "
+        "parser reads the answer, whose markers may be special tokens)",
+    )
     # Accepted and ignored (the server logs each name once): none of them changes the output.
     user: str | None = None
     store: bool | None = None
@@ -127,8 +134,7 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     """A message of the conversation. ``tool`` messages (results of calls the client made) and assistant
-    ``tool_calls`` from earlier turns go to the chat template as they are; this server itself never calls
-    tools (``tools`` is refused)."""
+    ``tool_calls`` from earlier turns go to the chat template as they are."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = Field(description="null only for assistant tool_calls")
@@ -154,6 +160,32 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict | None = Field(None, description="a JSON schema of the arguments")
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    """A function the model may call: it goes to the chat template, and the server reads calls back."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatCompletionRequest(GenerationRequest):
     """``POST /v1/chat/completions``: messages rendered by the tokenizer's chat template (or the fallback)."""
 
@@ -162,9 +194,16 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true")
     response_format: ResponseFormat | None = None
-    tools: list[dict] | None = Field(None, description="not supported: only an empty list is accepted")
-    tool_choice: Literal["none"] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = Field(
+        None,
+        description="none, auto (default with tools; needs --enable-auto-tool-choice), required or a named "
+        "function (both enforced by a grammar)",
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: required makes one call only")
+    chat_template_kwargs: dict | None = Field(
+        None, description="vLLM's extension: extra variables for the chat template (enable_thinking, ...)"
+    )
 
 
 # -- responses ----------------------------------------------------------------------------------------
@@ -246,9 +285,36 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
+    """The reasoning appears with a reasoning parser (as ``reasoning_content`` and as ``reasoning``, vLLM's
+    newer name, both sent as vLLM sends them), ``tool_calls`` when the answer made calls."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _omit_unused(self, handler) -> dict:
+        out = handler(self)
+        if self.reasoning_content is None:
+            out.pop("reasoning_content", None)
+            out.pop("reasoning", None)
+        if not self.tool_calls:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -268,9 +334,26 @@ class ChatCompletion(BaseModel):
     ddtree: SpeculativeStats | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A call's first delta has its id, type and name; the next ones add to its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # the same text: vLLM's newer name
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -333,3 +416,34 @@ class Health(Identity):
 class NotReady(ErrorResponse, Identity):
     """``GET /ready`` while loading or warming up: an OpenAI error plus the identity fields (no ``status``:
     only the error says how the server is)."""
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's): a ``prompt``, or ``messages`` rendered as chat renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = Field(None, description="default: true for prompt, false for messages")
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    chat_template_kwargs: dict | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class Version(BaseModel):
+    version: str

@@ -3,7 +3,9 @@
 One formatter serves one request. It accumulates every piece (usage and the ``ddtree`` stats need the
 totals either way) and, when streaming, turns each piece into the chunks OpenAI clients expect:
 completions send ``text`` per chunk; chat sends a role chunk, content chunks, then an empty delta with
-the finish_reason. The chunk that finishes a choice carries that choice's ``ddtree`` stats; with
+the finish_reason. A chat read by a reasoning or tool parser (``MessageParser``) sends
+``reasoning_content`` and ``tool_calls`` deltas too, and its whole answer is those same deltas put
+together. The chunk that finishes a choice carries that choice's ``ddtree`` stats; with
 ``stream_options.include_usage`` a last chunk with ``choices: []`` carries the usage and the totals.
 """
 
@@ -24,14 +26,88 @@ from ddtree.server.protocol import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     PromptTokensDetails,
     SpeculativeStats,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     Usage,
 )
+from ddtree.server.reasoning import ReasoningStream
+from ddtree.server.tool_parsers import (
+    FORMATS,
+    CallStream,
+    NamedCallStream,
+    RequiredCallsStream,
+    ToolCallDelta,
+    ToolCallStream,
+)
 from ddtree.stats import mean_acceptance_length
+
+
+@dataclass(frozen=True)
+class MessageParsing:
+    """How a chat request's answers are read: reasoning first (``--reasoning-parser``), then tool calls in
+    what remains (``--tool-call-parser`` for ``tool_choice: "auto"``; ``"required"`` or a named function:
+    the grammar's JSON)."""
+
+    reasoning: str | None = None
+    tool_parser: str | None = None
+    tools: tuple[dict, ...] = ()
+    forced: str | None = None  # "required", or the named function's name
+
+    def calls(self) -> CallStream | None:
+        if self.forced == "required":
+            return RequiredCallsStream()
+        if self.forced is not None:
+            return NamedCallStream(self.forced)
+        if self.tool_parser is not None:
+            return ToolCallStream(FORMATS[self.tool_parser](list(self.tools)))
+        return None
+
+
+@dataclass
+class MessageDelta:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+
+class MessageParser:
+    """One choice's text as reasoning, content and tool calls, piece by piece."""
+
+    def __init__(self, parsing: MessageParsing) -> None:
+        self.reasoning = ReasoningStream(parsing.reasoning) if parsing.reasoning else None
+        self.calls = parsing.calls()
+
+    def feed(self, text: str, final: bool) -> MessageDelta:
+        """The delta ``text`` makes (``final``: the text has ended, so nothing is held any more)."""
+        reasoning, content = self.reasoning.feed(text) if self.reasoning else ("", text)
+        if final and self.reasoning:
+            more = self.reasoning.finish()
+            reasoning, content = reasoning + more[0], content + more[1]
+        if self.calls is None:
+            return MessageDelta(reasoning, content)
+        content, calls = self.calls.feed(content)
+        if final:
+            rest, more = self.calls.finish()
+            content, calls = content + rest, _merged(calls + more)
+        return MessageDelta(reasoning, content, calls)
+
+
+def _merged(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Consecutive deltas of one call as one."""
+    out: list[ToolCallDelta] = []
+    for d in deltas:
+        if out and out[-1].index == d.index and d.id is None:
+            out[-1].arguments += d.arguments
+        else:
+            out.append(d)
+    return out
 
 
 @dataclass
@@ -43,6 +119,11 @@ class _Choice:
     stats: SpeculativeStats | None = None
     text_offset: int = 0  # completions logprobs: where the next token starts in the choice's text
     opened: bool = False  # chat streaming: the role chunk was sent
+    parser: MessageParser | None = None  # chat with a reasoning or tool parser
+    delta: MessageDelta | None = None  # what the parser made of the latest piece
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 def total_stats(stats: list[SpeculativeStats]) -> SpeculativeStats | None:
@@ -170,17 +251,56 @@ class CompletionAnswer(_Answer):
 class ChatAnswer(_Answer):
     prefix = "chatcmpl"
 
+    def __init__(
+        self,
+        model: str,
+        include_usage: bool = False,
+        logprobs: bool = False,
+        n: int = 1,
+        parsing: MessageParsing | None = None,
+    ) -> None:
+        super().__init__(model, include_usage, logprobs, n)
+        self.parsing = parsing  # None: the text is the content, as it comes
+
+    def add(self, piece: Piece) -> _Choice:
+        choice = super().add(piece)
+        if self.parsing is None:
+            return choice
+        if choice.parser is None:
+            choice.parser = MessageParser(self.parsing)
+        choice.delta = delta = choice.parser.feed(piece.text, piece.finish_reason is not None)
+        choice.reasoning += delta.reasoning
+        choice.content += delta.content
+        for d in delta.tool_calls:
+            if d.id is not None:
+                choice.tool_calls.append(ToolCall(id=d.id, function=FunctionCall(name=d.name, arguments="")))
+            choice.tool_calls[d.index].function.arguments += d.arguments
+        if choice.tool_calls and choice.finish_reason is not None:
+            choice.finish_reason = "tool_calls"  # as vLLM: the answer is its calls
+        return choice
+
     def response(self) -> ChatCompletion:
         choices = [
             ChatChoice(
                 index=i,
-                message=AssistantMessage(content=c.text),
+                message=self._message(c),
                 logprobs=_chat_logprobs(c.logprobs) if self.logprobs else None,
                 finish_reason=c.finish_reason,
             )
             for i, c in sorted(self.choices.items())
         ]
         return ChatCompletion(**self._envelope(choices=choices, usage=self.usage(), ddtree=self.stats()))
+
+    def _message(self, c: _Choice) -> AssistantMessage:
+        if self.parsing is None:
+            return AssistantMessage(content=c.text)
+        reasoning = c.reasoning or None
+        return AssistantMessage(
+            content=c.content or None,
+            reasoning_content=reasoning,
+            reasoning=reasoning,
+            tool_calls=c.tool_calls,
+        )
 
     def chunks(self, piece: Piece) -> list[dict]:
         choice = self.add(piece)
@@ -192,12 +312,12 @@ class ChatAnswer(_Answer):
                     [ChatChunkChoice(index=piece.index, delta=DeltaMessage(role="assistant", content=""))]
                 )
             )
-        if piece.text or piece.logprobs:
+        delta = DeltaMessage(content=piece.text) if self.parsing is None else _delta(choice.delta)
+        if delta.content or delta.reasoning_content or delta.tool_calls or piece.logprobs:
             logprobs = _chat_logprobs(piece.logprobs) if self.logprobs else None
-            delta = DeltaMessage(content=piece.text)
             out.append(self._chunk([ChatChunkChoice(index=piece.index, delta=delta, logprobs=logprobs)]))
         if piece.finish_reason is not None:
-            end = ChatChunkChoice(index=piece.index, delta=DeltaMessage(), finish_reason=piece.finish_reason)
+            end = ChatChunkChoice(index=piece.index, delta=DeltaMessage(), finish_reason=choice.finish_reason)
             out.append(self._chunk([end], stats=choice.stats))
         return out
 
@@ -205,9 +325,29 @@ class ChatAnswer(_Answer):
         self, choices: list, usage: Usage | None = None, stats: SpeculativeStats | None = None
     ) -> dict:
         body = ChatCompletionChunk(**self._envelope(choices=choices, usage=usage)).model_dump(mode="json")
-        for c in body["choices"]:  # a delta names only what it carries
-            c["delta"] = {k: v for k, v in c["delta"].items() if v is not None}
+        for c, choice in zip(body["choices"], choices, strict=True):  # a delta names only what it carries
+            c["delta"] = choice.delta.model_dump(mode="json", exclude_none=True)
         return _with_stats(body, stats)
+
+
+def _delta(delta: MessageDelta) -> DeltaMessage:
+    """A parsed delta in OpenAI's shape (a call's first entry: its id, type and name)."""
+    calls = [
+        DeltaToolCall(
+            index=d.index,
+            id=d.id,
+            type="function" if d.id is not None else None,
+            function=DeltaFunctionCall(name=d.name, arguments=d.arguments),
+        )
+        for d in delta.tool_calls
+    ]
+    reasoning = delta.reasoning or None
+    return DeltaMessage(
+        content=delta.content or None,
+        reasoning_content=reasoning,
+        reasoning=reasoning,
+        tool_calls=calls or None,
+    )
 
 
 def _chat_logprobs(infos: list[TokenInfo]) -> ChoiceLogprobs:

@@ -32,6 +32,8 @@ from ddtree.server import limits
 from ddtree.server.app import ServerConfig, create_app
 from ddtree.server.auth import api_keys, open_access_warning
 from ddtree.server.options import DEFAULT_MODEL_NAME
+from ddtree.server.reasoning import REASONING_PARSERS
+from ddtree.server.tool_parsers import TOOL_CALL_PARSERS
 
 LOAD_DELAY_ENV = "DDTREE_TEST_LOAD_DELAY"  # test hook: seconds to sleep before loading (a slow disk)
 STEP_DELAY_ENV = (
@@ -121,6 +123,17 @@ def run_app(app, sock: socket.socket, shutdown_timeout: float, level: str = "inf
     return server
 
 
+def check_parser_flags(args: argparse.Namespace) -> None:
+    """Known parser names, and no auto tool choice without a parser to read the calls (vLLM's rule)."""
+    for flag, names in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
+        name = getattr(args, flag)
+        if name is not None and name not in names:
+            option = "--" + flag.replace("_", "-")
+            raise DDTreeError(f"unknown {option} {name!r}; choose one of {', '.join(names)}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise DDTreeError("--enable-auto-tool-choice needs --tool-call-parser")
+
+
 def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespace], object]) -> None:
     """The ``serve`` command: checks the server's flags, binds, serves; raises DDTreeError for the CLI's
     exit 2. The engine's flags are the caller's to check (``ddtree.cli.check_engine_flags``)."""
@@ -133,6 +146,7 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
     for flag in ("max_request_bytes", "max_tokens_per_request", "max_speculative_budget"):
         if getattr(args, flag) < 1:
             raise DDTreeError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    check_parser_flags(args)
     keys = api_keys(args.api_key, os.environ)
     if args.target is not None:
         check_model_dir(args.target, "target")
@@ -174,6 +188,9 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
             args.max_request_bytes, args.max_tokens_per_request, args.max_speculative_budget
         ),
         step_delay=step_delay,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     app = create_app(load, config, on_load_failed=load_failed, on_engine_failed=engine_failed)
     server = run_app(app, sock, args.shutdown_timeout, args.log_level, args.access_log)

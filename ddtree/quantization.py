@@ -115,13 +115,6 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return nibbles.flatten(-2).to(torch.int8) - 8
 
 
-def pack_int4(values: torch.Tensor) -> torch.Tensor:
-    """Signed 4-bit values [rows, cols] (cols a multiple of 8) into int32 words: unpack_int4's inverse."""
-    nibbles = (values.to(torch.int32) + 8).unflatten(-1, (-1, PACK))
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    return (nibbles << shifts).sum(-1, dtype=torch.int32)
-
-
 def dequantize_int4(packed, scale, shape: tuple[int, int], index, group: int, dtype) -> torch.Tensor:
     """``weight[index]`` of a pack-quantized INT4 tensor in ``dtype``: reads only the rows, the int32
     words and the scale groups that ``index`` covers."""

@@ -17,27 +17,6 @@ import numpy as np
 import torch
 
 from ddtree.capture import upload
-from ddtree.errors import DDTreeError
-
-
-@dataclass
-class DraftTree:
-    """A draft tree of N = n + 1 nodes; node 0 is the root (the last committed token)."""
-
-    tokens: torch.Tensor  # [N] int64 token of each node; tokens[0] = root_token
-    depths: torch.Tensor  # [N] int64; a node at depth d drafts block position d, root depth 0
-    parents: torch.Tensor  # [N] int64; parents[0] = -1 and parents[i] < i (nodes are in pop order)
-    logw: torch.Tensor  # [N] float32 cumulative draft log-prob of the prefix ending at the node; root 0
-
-    @property
-    def num_nodes(self) -> int:
-        return self.tokens.numel()
-
-    @classmethod
-    def root_only(cls, root_token: int) -> DraftTree:
-        """The tree plain autoregressive decoding verifies: nothing drafted, only the bonus token."""
-        zero = torch.zeros(1, dtype=torch.int64)
-        return cls(torch.tensor([root_token]), zero, zero - 1, zero.float())
 
 
 def draft_candidates(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,13 +95,8 @@ class TreeBatch:
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """The per-node fields, in ``DraftTree``'s order: tokens, depths, parents, logw."""
+        """The per-node fields: tokens, depths, parents, logw."""
         return self.tokens, self.depths, self.parents, self.logw
-
-    def row(self, b: int) -> DraftTree:
-        """Row b as a ``DraftTree`` on the host (tests)."""
-        m = int(self.sizes[b])
-        return DraftTree(*(x[b, :m].cpu() for x in self.tensors))
 
     @classmethod
     def root_only(cls, roots: torch.Tensor) -> TreeBatch:
@@ -253,38 +227,3 @@ def _beam_pairs_on(width: int, k: int, slots: int, device: torch.device) -> tupl
     pp, pr = _beam_pairs(width, k)
     keep = pp < slots
     return upload(pp[keep], device), upload(pr[keep], device)
-
-
-@dataclass
-class TreeRetrieve:
-    """First-child / next-sibling encoding of a tree (SGLang's retrive_next_token / retrive_next_sibling)."""
-
-    next_token: torch.Tensor  # [N] int64 first child of each node, -1 if leaf
-    next_sibling: torch.Tensor  # [N] int64 next sibling, -1 if last; siblings by descending logw
-
-
-def compile_ddtree_retrieve(parents: torch.Tensor, node_logw: torch.Tensor) -> TreeRetrieve:
-    """Encode the tree so verification tries a node's children most probable first.
-
-    ``parents`` [N] int64 (root -1, node 0) and ``node_logw`` [N] use local node indices; ties in logw
-    keep node-index order. Outputs are on ``parents.device``.
-    """
-    if parents.dim() != 1 or node_logw.shape != parents.shape or parents.numel() < 1:
-        raise DDTreeError(
-            f"parents and node_logw must be equal-length 1-D tensors with a root, got "
-            f"{tuple(parents.shape)} and {tuple(node_logw.shape)}"
-        )
-    n = parents.numel()
-    next_token = torch.full((n,), -1, dtype=torch.int64, device=parents.device)
-    next_sibling = torch.full((n,), -1, dtype=torch.int64, device=parents.device)
-    if n > 1:
-        # Two stable sorts give order by (parent asc, logw desc, index asc) over the non-root nodes.
-        nodes = torch.arange(1, n, device=parents.device)  # [n - 1]
-        nodes = nodes[torch.sort(node_logw[1:], descending=True, stable=True).indices]
-        order = nodes[torch.sort(parents[nodes], stable=True).indices]  # [n - 1]
-        par = parents[order].long()  # [n - 1]
-        same = par[1:] == par[:-1]  # [n - 2] consecutive entries are siblings
-        next_sibling[order[:-1][same]] = order[1:][same]
-        first = torch.cat((same.new_ones(1), ~same))  # [n - 1] head of each sibling group
-        next_token[par[first]] = order[first]
-    return TreeRetrieve(next_token=next_token, next_sibling=next_sibling)

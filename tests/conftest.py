@@ -29,7 +29,7 @@ from transformers import (
 )
 
 from ddtree.drafter import DFlashDrafter, dflash_config
-from ddtree.tree import DraftTree
+from tests.oracles import DraftTree
 
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine they lose a lot to them.
 torch.set_num_threads(1)

@@ -12,6 +12,7 @@ from ddtree.kv_cache import pack_accepted
 from ddtree.params import SamplingParams
 from ddtree.tree import TreeSpec, build_tree_batch, draft_candidates
 from ddtree.verify import ancestor_mask
+from tests.oracles import tree_row
 
 PROMPTS = [[1, 5, 9, 22, 3], [7], [30, 2, 2, 14, 8, 19, 25, 11, 4, 0, 6, 13]]
 NEW = 40
@@ -161,7 +162,7 @@ def test_kv_compaction_leaves_the_cache_of_a_fresh_forward(pair, kept_path):
         vals, cand = draft_candidates(draft_logits[None], k)
         spec = TreeSpec(np.array([64]), np.array([k]), np.array([7]))
         trees = build_tree_batch(vals, cand, torch.tensor([root]), spec)
-        tree = trees.row(0)
+        tree = tree_row(trees, 0)
         n = tree.num_nodes
         anc = ancestor_mask(trees)[0]  # [N, N]
         visible = torch.cat((torch.ones(n, start, dtype=torch.bool), anc), dim=1)

@@ -24,7 +24,7 @@ from ddtree.checkpoint import Checkpoint, plan_sources, read_source
 from ddtree.engine import Engine
 from ddtree.models import load_target
 from ddtree.params import SamplingParams
-from ddtree.quantization import dequantize_fp8, dequantize_int4, pack_int4, unpack_int4
+from ddtree.quantization import PACK, dequantize_fp8, dequantize_int4, unpack_int4
 from ddtree.tensor_parallel import shard_target
 from tests.conftest import moe_drafter, tiny_moe_target, tiny_target
 from tests.test_engine_greedy import hf_greedy
@@ -65,6 +65,13 @@ INT4_CONFIG = {  # Kimi K2.5 / K2.6's: routed experts int4, everything in ``igno
     "quant_method": "compressed-tensors",
     "quantization_status": "compressed",
 }
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """Signed 4-bit values [rows, cols] (cols a multiple of 8) into int32 words: unpack_int4's inverse."""
+    nibbles = (values.to(torch.int32) + 8).unflatten(-1, (-1, PACK))
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    return (nibbles << shifts).sum(-1, dtype=torch.int32)
 
 
 def state(model) -> dict[str, torch.Tensor]:

@@ -19,16 +19,12 @@ import ddtree.sampling as sampling_module
 from ddtree.errors import DDTreeError
 from ddtree.params import SamplingParams
 from ddtree.sampling import SamplingTensors, filtered_probs, sample_tree_batch
-from ddtree.tree import (
-    DraftTree,
-    TreeRetrieve,
-    TreeSpec,
-    build_tree_batch,
-    compile_ddtree_retrieve,
-    draft_candidates,
-)
+from ddtree.tree import TreeSpec, build_tree_batch, draft_candidates
 from tests.conftest import tree_from_parents
 from tests.oracles import (
+    DraftTree,
+    TreeRetrieve,
+    compile_ddtree_retrieve,
     filtered_probs_reference,
     sample_from_probs,
     sample_tree,

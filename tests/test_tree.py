@@ -8,15 +8,8 @@ import pytest
 import torch
 
 from ddtree.errors import DDTreeError
-from ddtree.tree import (
-    DraftTree,
-    TreeSpec,
-    build_tree_batch,
-    compile_ddtree_retrieve,
-    draft_candidates,
-    top_k_rows,
-)
-from tests.oracles import best_first_tree, build_ddtree_tree
+from ddtree.tree import TreeSpec, build_tree_batch, draft_candidates, top_k_rows
+from tests.oracles import DraftTree, best_first_tree, build_ddtree_tree, compile_ddtree_retrieve, tree_row
 
 CASES = [
     # (L, V, budget, topk)
@@ -277,10 +270,10 @@ def test_device_trees_equal_the_heaps_on_a_thousand_random_batches():
                 cands = [row[:kb] for row in vals[b, :depth].tolist()]
                 tokens = [row[:kb] for row in ids[b, :depth].tolist()]
                 want = best_first_tree(cands, tokens, int(spec.budgets[b]), int(roots[b]))
-            got = batch.row(b)
+            got = tree_row(batch, b)
             for field in ("tokens", "depths", "parents", "logw"):
                 assert torch.equal(getattr(got, field), getattr(want, field)), (seed, b, field)
-        assert batch.depth >= max(int(batch.row(b).depths.max()) for b in range(len(roots)))
+        assert batch.depth >= max(int(tree_row(batch, b).depths.max()) for b in range(len(roots)))
 
 
 def test_device_tree_of_a_large_vocabulary_equals_the_heap():
@@ -291,5 +284,5 @@ def test_device_tree_of_a_large_vocabulary_equals_the_heap():
     batch = build_tree_batch(vals, ids, torch.tensor([1, 2]), spec)
     for b in range(2):
         want = build_ddtree_tree(logits[b], int(spec.budgets[b]), topk=int(spec.topks[b]), root_token=b + 1)
-        assert torch.equal(batch.row(b).tokens, want.tokens)
-        assert torch.equal(batch.row(b).parents, want.parents)
+        assert torch.equal(tree_row(batch, b).tokens, want.tokens)
+        assert torch.equal(tree_row(batch, b).parents, want.parents)

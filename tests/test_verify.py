@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.tree import DraftTree, TreeSpec, build_tree_batch, draft_candidates
+from ddtree.tree import TreeSpec, build_tree_batch, draft_candidates
 from ddtree.verify import accept_greedy, walk_greedy
 from tests.conftest import tree_from_parents
-from tests.oracles import build_ddtree_tree, follow_verified_tree
+from tests.oracles import DraftTree, build_ddtree_tree, follow_verified_tree, tree_row
 
 
 def _walk_with_child_maps(tree: DraftTree, target_tokens: list[int]) -> tuple[list[int], list[int]]:
@@ -87,6 +87,6 @@ def test_batched_greedy_acceptance_equals_the_scalar_walk():
         assert len(asked) == int(trees.depths.max()) + 1  # one head call a level, one for the bonus
         for got in (accept_greedy(trees, argmax), walked):
             for i in range(b):
-                nodes, tokens = follow_verified_tree(trees.row(i), argmax[i].tolist().__getitem__)
+                nodes, tokens = follow_verified_tree(tree_row(trees, i), argmax[i].tolist().__getitem__)
                 m = int(got.lengths[i])
                 assert (got.path[i, :m].tolist(), got.tokens[i, :m].tolist()) == (nodes, tokens)

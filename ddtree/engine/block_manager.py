@@ -75,11 +75,6 @@ class BlockManager:
     def num_used(self) -> int:
         return self.num_blocks - 1 - self.num_free
 
-    @property
-    def num_cached(self) -> int:
-        """Blocks whose content is indexed, owned or not."""
-        return len(self._key_of)
-
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
@@ -203,18 +198,3 @@ class BlockManager:
         if self._block_of.get(key) == block:
             del self._block_of[key]
         self._drafted.discard(block)
-
-    def check(self, owners: list[Request]) -> None:
-        """Assert the accounting: every allocatable block is free, cached or owned, exactly once, and its
-        reference count is the number of tables holding it (tests call this after random schedules)."""
-        counts = [0] * self.num_blocks
-        for r in owners:
-            for block in r.blocks:
-                counts[block] += 1
-        assert counts == self._refs, "reference counts differ from the tables"
-        free, cached = set(self._free), set(self._cached)
-        owned = {b for b in range(1, self.num_blocks) if counts[b]}
-        assert len(free) == len(self._free) and not free & cached and not (free | cached) & owned
-        assert free | cached | owned == set(range(1, self.num_blocks)), "a block is lost"
-        assert cached <= set(self._key_of) and not free & set(self._key_of)
-        assert all(self._key_of[b] == k for k, b in self._block_of.items())

@@ -43,7 +43,11 @@ class GrammarCompiler:
             raise DDTreeError(f"structured outputs cannot use this tokenizer: {exc}") from None
         self.vocab_size = vocab_size
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._pool = self._new_pool()
+
+    @staticmethod
+    def _new_pool() -> concurrent.futures.ThreadPoolExecutor:
+        return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
 
     def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
         """The compiled grammar (cached by xgrammar); a constraint that does not compile, or not within
@@ -52,6 +56,10 @@ class GrammarCompiler:
         try:
             return future.result(timeout=COMPILE_SECONDS)
         except concurrent.futures.TimeoutError:
+            # The stuck compile keeps its thread until it ends; the next constraints get a fresh one, so
+            # one pathological constraint never queues the others behind it.
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = self._new_pool()
             raise DDTreeError(
                 f"the structured-output constraint did not compile within {COMPILE_SECONDS:g} s"
             ) from None

@@ -4,6 +4,8 @@ what a matcher fed that node's path allows; bad constraints are one-line errors.
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -149,3 +151,25 @@ def test_compiling_past_the_time_bound_is_one_line_and_the_compiler_still_works(
     assert "\n" not in str(info.value)
     monkeypatch.setattr(grammar, "COMPILE_SECONDS", 10.0)
     assert compiler.compile(CONSTRAINTS["regex"]) is not None
+
+
+def test_a_compile_stuck_past_the_bound_does_not_hold_the_next_ones(compiler, monkeypatch):
+    """The timed-out compile keeps running in its thread; the next constraint compiles at once beside it."""
+    release = threading.Event()
+    compile_ = compiler._compile
+
+    def stuck(spec):
+        if spec.regex == "stuck":
+            release.wait(30)
+        return compile_(spec)
+
+    monkeypatch.setattr(compiler, "_compile", stuck)
+    monkeypatch.setattr(grammar, "COMPILE_SECONDS", 0.2)
+    try:
+        with pytest.raises(DDTreeError, match="did not compile within"):
+            compiler.compile(StructuredOutputs(regex="stuck"))
+        t = time.perf_counter()
+        assert compiler.compile(CONSTRAINTS["choice"]) is not None
+        assert time.perf_counter() - t < 0.2  # it did not wait behind the stuck one
+    finally:
+        release.set()

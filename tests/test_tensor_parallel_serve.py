@@ -128,7 +128,7 @@ def test_generate_prints_one_process_output_when_spawning_ranks_or_under_torchru
 
 @pytest.mark.parametrize(
     ("size", "message"),
-    [("0", "tensor_parallel_size must be an integer >= 1"), ("3", "divisible by 3")],
+    [("0", "--tensor-parallel-size must be an integer >= 1"), ("3", "divisible by 3")],
 )
 def test_a_tensor_parallel_size_that_cannot_work_exits_2_in_one_line(size, message):
     run = run_cli(sys.executable, "-m", "ddtree.cli", *GENERATE, "-tp", size)

@@ -60,6 +60,13 @@ def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (random if omitted)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="minus this x a token's count so far")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="minus this once a token has appeared")
+    p.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="divide seen tokens' positive logits; 1.0 = off"
+    )
+    p.add_argument("--min-tokens", type=int, default=0, help="no stop before this many tokens")
+    p.add_argument("--bad-word", action="append", default=[], help="a word never completed (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,6 +177,11 @@ def _generate(args: argparse.Namespace) -> None:
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,
         stop=tuple(args.stop),
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        repetition_penalty=args.repetition_penalty,
+        min_tokens=args.min_tokens,
+        bad_words=tuple(args.bad_word),
     )
     with engine_from_args(args) as engine:  # ``with``: tensor-parallel ranks end with it
         _stream(engine, prompt, params, args)

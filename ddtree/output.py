@@ -89,6 +89,8 @@ class OutputState:
         if self.params.stop:
             window = self._tail + chunk  # a stop string can only end in the new chunk
             hits = [i for i in (window.find(s) for s in self.params.stop) if i >= 0]
+            if len(self.token_ids) < self.params.min_tokens:  # as vLLM: no stop before min_tokens
+                hits = []
             if hits:
                 cut = len(window) - min(hits)  # characters to drop from the end
             elif provisional:

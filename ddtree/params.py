@@ -156,6 +156,16 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; n >= 0 = the emitted token's logprob plus the top n
     detokenize: bool = True  # False: deltas carry token ids only (as vLLM's); the caller makes the text
     structured_outputs: StructuredOutputs | None = None  # what the text must match (``ddtree.grammar``)
+    # Penalties and biases, as vLLM's (``ddtree.penalties``): presence and frequency count the output's
+    # tokens, repetition the prompt's too; logit_bias maps token ids to added logits (a dict is kept as
+    # sorted pairs); min_tokens holds back EOS, stop token ids and stop strings until that many tokens;
+    # bad_words are never completed.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    min_tokens: int = 0
+    bad_words: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -182,6 +192,46 @@ class SamplingParams:
             raise DDTreeError("stop strings must be non-empty strings")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise DDTreeError("structured_outputs must be a StructuredOutputs")
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:  # NaN fails both
+                raise DDTreeError(f"{name} must be a number in [-2, 2], got {value!r}")
+        rep = self.repetition_penalty
+        if not _is_number(rep) or not math.isfinite(rep) or rep <= 0:
+            raise DDTreeError(f"repetition_penalty must be a finite number > 0, got {rep!r}")
+        bias = self.logit_bias
+        pairs = list(bias.items()) if isinstance(bias, dict) else list(bias)
+        for pair in pairs:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and _is_number(pair[1])):
+                raise DDTreeError(f"logit_bias maps token ids to numbers, got {pair!r}")
+            if not math.isfinite(pair[1]):
+                raise DDTreeError(f"logit_bias values must be finite, got {pair[1]!r} for token {pair[0]}")
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(v)) for t, v in pairs)))
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise DDTreeError(
+                f"min_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise DDTreeError("bad_words must be non-blank strings")
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty or bias changes the target's logits (``ddtree.penalties``)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+            or self.bad_words
+        )
 
     @property
     def greedy(self) -> bool:

@@ -1,10 +1,12 @@
-"""Structured outputs' cost (issue 33's benchmark): output tokens/s and tau of ddtree under a JSON schema
-against the same requests unconstrained, one request at a time and 16 at once, and the host milliseconds a
-round spends on grammar masks (the trees' masks, ``tree_grammar_masks``, and the next-token masks of the
-first token and the first tree level, ``grammar.mask_next``).
+"""What agents' requests cost (issue 33's benchmark): output tokens/s and tau of ddtree under a JSON schema
+(or, with ``--options penalties``, under frequency / presence / repetition penalties, a bad word and
+min_tokens) against the same requests without, one request at a time and 16 at once, and the host
+milliseconds a round spends on them: the grammar's masks (the trees' masks, ``tree_grammar_masks``, and the
+next-token masks of the first token and the first tree level, ``grammar.mask_next``) or the penalties
+(``NodePenalties``: building a round's state and penalising each node's logits).
 
-Configurations alternate (unconstrained, schema, schema, unconstrained) so drift on a shared machine
-lands on both. ``python scripts/structured_bench.py --threads 2``
+Configurations alternate (without, with, with, without) so drift on a shared machine lands on both.
+``python scripts/structured_bench.py --threads 2 [--options penalties]``
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import ddtree.engine.verifier as verifier_module
 import ddtree.grammar as grammar_module
 from ddtree import Engine, SamplingParams, StructuredOutputs
+from ddtree.penalties import NodePenalties
 
 SCHEMA = {
     "type": "object",
@@ -30,13 +33,26 @@ SCHEMA = {
 PROMPTS = [f"Describe person number {i} as JSON with a name, tags and an age:\n" for i in range(16)]
 
 
-class GrammarClock:
-    """Host seconds spent in the grammar mask functions the engine calls (wrapped in place)."""
+PENALTIES = {
+    "frequency_penalty": 0.5,
+    "presence_penalty": 0.3,
+    "repetition_penalty": 1.2,
+    "bad_words": ("person",),
+    "min_tokens": 16,
+}
+TIMED = {  # where each option's work happens: (owner, function name)
+    "schema": ((verifier_module, "tree_grammar_masks"), (grammar_module, "mask_next")),
+    "penalties": ((NodePenalties, "__init__"), (NodePenalties, "__call__")),
+}
 
-    def __init__(self) -> None:
+
+class Clock:
+    """Host seconds spent in the functions that do an option's work (wrapped in place)."""
+
+    def __init__(self, option: str) -> None:
         self.seconds = 0.0
-        for module, name in ((verifier_module, "tree_grammar_masks"), (grammar_module, "mask_next")):
-            setattr(module, name, self._timed(getattr(module, name)))
+        for owner, name in TIMED[option]:
+            setattr(owner, name, self._timed(getattr(owner, name)))
 
     def _timed(self, fn):
         def run(*args, **kwargs):
@@ -49,9 +65,13 @@ class GrammarClock:
         return run
 
 
-def run(engine: Engine, clock: GrammarClock, clients: int, constrained: bool, tokens: int) -> dict:
-    spec = StructuredOutputs(json=SCHEMA) if constrained else None
-    params = SamplingParams(max_new_tokens=tokens, structured_outputs=spec)
+def run(engine: Engine, clock: Clock, clients: int, option: str | None, tokens: int) -> dict:
+    if option == "schema":
+        params = SamplingParams(max_new_tokens=tokens, structured_outputs=StructuredOutputs(json=SCHEMA))
+    elif option == "penalties":
+        params = SamplingParams(max_new_tokens=tokens, **PENALTIES | {"min_tokens": min(tokens, 16)})
+    else:
+        params = SamplingParams(max_new_tokens=tokens)
     clock.seconds = 0.0
     out, rounds, elapsed, accepted = 0, 0, 0.0, []
     for start in range(0, len(PROMPTS), clients):
@@ -64,7 +84,7 @@ def run(engine: Engine, clock: GrammarClock, clients: int, constrained: bool, to
     return {
         "tok_s": out / elapsed,
         "tau": sum(accepted) / len(accepted),
-        "grammar_ms_per_round": 1e3 * clock.seconds / max(rounds, 1),
+        "ms_per_round": 1e3 * clock.seconds / max(rounds, 1),
     }
 
 
@@ -73,24 +93,24 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--budget", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--options", choices=tuple(TIMED), default="schema", help="what to compare with none")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     engine = Engine.from_pretrained(budget=args.budget, max_num_seqs=16, prefill_gap_rounds=None)
-    clock = GrammarClock()
-    run(engine, clock, 16, True, 8)  # warm-up: compile the schema, touch every shape once
-    print("| clients | constraint | output tok/s (runs) | tau | grammar host ms / round |")
+    clock = Clock(args.options)
+    run(engine, clock, 16, args.options, 8)  # warm-up: compile the schema, touch every shape once
+    print(f"| clients | options | output tok/s (runs) | tau | {args.options} host ms / round |")
     print("|---|---|---|---|---|")
     for clients in (1, 16):
-        runs: dict[bool, list[dict]] = {False: [], True: []}
-        for constrained in (False, True, True, False):
+        runs: dict[str | None, list[dict]] = {None: [], args.options: []}
+        for option in (None, args.options, args.options, None):
             engine.reset_prefix_cache()
-            runs[constrained].append(run(engine, clock, clients, constrained, args.max_new_tokens))
-        for constrained, got in runs.items():
+            runs[option].append(run(engine, clock, clients, option, args.max_new_tokens))
+        for option, got in runs.items():
             speeds = ", ".join(f"{g['tok_s']:.1f}" for g in got)
             tau = sum(g["tau"] for g in got) / len(got)
-            ms = sum(g["grammar_ms_per_round"] for g in got) / len(got)
-            name = "JSON schema" if constrained else "none"
-            print(f"| {clients} | {name} | {speeds} | {tau:.2f} | {ms:.2f} |")
+            ms = sum(g["ms_per_round"] for g in got) / len(got)
+            print(f"| {clients} | {option or 'none'} | {speeds} | {tau:.2f} | {ms:.2f} |")
 
 
 if __name__ == "__main__":

@@ -141,8 +141,11 @@ VALID = {
             "topk": st.integers(1, 40),
         },
     ),
-    "presence_penalty": st.just(0),
-    "logit_bias": st.just({}),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2),
+    "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=2),
+    "min_tokens": st.integers(0, 2),
     "user": st.text(max_size=5),
 }
 VALID_PROMPT = st.one_of(

@@ -214,13 +214,19 @@ def test_fields_that_cannot_change_the_output_are_ignored_and_logged_once(server
     assert log.count("ignoring the request field 'metadata'") == 1
 
 
-@pytest.mark.parametrize(
-    ("field", "value"), [("repetition_penalty", 1.2), ("frequency_penalty", 0.5), ("presence_penalty", -1.0)]
-)
-def test_penalties_that_would_change_the_output_are_400(client, field, value):
-    with pytest.raises(openai.BadRequestError) as bad:
-        client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={field: value})
-    assert bad.value.code == "unsupported_parameter" and bad.value.param == field
+def test_penalties_reach_the_engine_as_its_sampling_parameters(client, engine):
+    params = SamplingParams(
+        max_new_tokens=12, frequency_penalty=0.5, presence_penalty=0.2, repetition_penalty=1.3,
+        logit_bias={5: 2.0}, min_tokens=10, bad_words=("fib",),
+    )  # fmt: skip
+    expected = engine.generate("def fib", params)
+    assert expected.token_ids != engine.generate("def fib", SamplingParams(max_new_tokens=12)).token_ids
+    done = client.completions.create(
+        model="tiny", prompt="def fib", max_tokens=12, temperature=0, frequency_penalty=0.5,
+        presence_penalty=0.2, logit_bias={"5": 2.0},
+        extra_body={"repetition_penalty": 1.3, "min_tokens": 10, "bad_words": ["fib"]},
+    )  # fmt: skip
+    assert done.choices[0].text == expected.text
 
 
 def test_tool_results_are_accepted_as_a_tool_line_of_the_conversation(client, engine):

@@ -61,6 +61,7 @@ from ddtree.models import (
 )
 from ddtree.output import OutputState
 from ddtree.params import AUTO, SamplingParams, StructuredOutputs, check_speculative_options
+from ddtree.penalties import RequestPenalties
 
 if TYPE_CHECKING:
     from ddtree.grammar import GrammarCompiler, GrammarState
@@ -375,6 +376,9 @@ class Engine:
                 f"exceeds the context of {self.max_model_len} tokens (max_model_len)"
             )
         grammar = None if params.structured_outputs is None else self._grammar(params.structured_outputs)
+        penalties = RequestPenalties.of(
+            params, prompt_ids, self.eos_token_ids, self.tokenizer, self.vocab_size
+        )
         request_id = self.scheduler.new_id(request_id)
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(1 << 62)
         self.scheduler.waiting.append(
@@ -396,9 +400,15 @@ class Engine:
                 auto_width=self.auto.start_width,
                 cache_salt=cache_salt,
                 grammar=grammar,
+                penalties=penalties,
             )
         )
         return request_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokens the target scores (its LM head's rows; may exceed the tokenizer's)."""
+        return self.runner.lm_head.weight.shape[0]
 
     def check_structured_outputs(self, spec: StructuredOutputs) -> None:
         """Compile ``spec``'s grammar now (cached for ``add_request``): a server calls it off the engine
@@ -416,8 +426,7 @@ class Engine:
         if self._grammars is None:
             from ddtree.grammar import GrammarCompiler  # xgrammar: only for engines that need it
 
-            vocab = self.runner.lm_head.weight.shape[0]
-            self._grammars = GrammarCompiler(self.tokenizer, vocab, sorted(self.eos_token_ids))
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         return self._grammars
 
     def reset_prefix_cache(self) -> None:

@@ -18,6 +18,7 @@ from ddtree.stats import mean_acceptance_length
 
 if TYPE_CHECKING:  # xgrammar is imported only by engines that get a structured-output request
     from ddtree.grammar import GrammarState
+    from ddtree.penalties import RequestPenalties
 
 STAGES = ("draft", "tree", "inputs", "verify", "accept", "commit")
 
@@ -159,6 +160,7 @@ class Request:
     auto_width: int = 8  # budget "auto": drafted nodes chosen last time (sizes the next candidate tree)
     cache_salt: str | None = None  # requests with different salts share no cached block
     grammar: GrammarState | None = None  # structured outputs: where its output is in its grammar
+    penalties: RequestPenalties | None = None  # penalties and biases, resolved at admission
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks so far
     cached_blocks: int = 0  # of its blocks, those already indexed in the prefix cache (or examined)
 

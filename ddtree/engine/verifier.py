@@ -15,6 +15,7 @@ from ddtree.capture import pick, upload
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Request
 from ddtree.logprobs import TokenLogprobs, token_logprobs
+from ddtree.penalties import NodePenalties
 from ddtree.sampling import SamplingTensors, filtered_probs, inverse_cdf, sample_tree_batch
 from ddtree.tree import TreeBatch
 from ddtree.verify import Accepted, accept_greedy, ancestor_mask, walk_greedy
@@ -78,6 +79,10 @@ class Verifier:
             from ddtree.grammar import mask_next  # xgrammar: only for engines that serve it
 
             logits = mask_next(logits, [r.grammar for r in batch])
+        if any(r.penalties is not None for r in batch):
+            rows = torch.arange(len(batch), device=logits.device)
+            penalties = NodePenalties(batch, None, logits.shape[-1], logits.device)
+            logits = penalties(logits, rows, torch.zeros_like(rows))
         tokens = logits.argmax(dim=-1)  # [B]
         sampled = [i for i, r in enumerate(batch) if not r.params.greedy]
         if sampled:
@@ -155,10 +160,11 @@ class Verifier:
             sub = trees if whole else trees.select(group)
             states = hidden if whole else hidden[group]  # [G, N, H]
             allowed = None if masks is None else masks if whole else masks[group]  # [G, N, W]
+            node = NodeLogits(allowed, self._penalties([rows[i] for i in group], sub), sub.tokens.shape[1])
             if group is greedy:
-                parts.append((group, self._greedy(sub, states, allowed)))
+                parts.append((group, self._greedy(sub, states, node)))
             else:
-                parts.append((group, self._sample(rows, group, sub, states, allowed)))
+                parts.append((group, self._sample(rows, group, sub, states, node)))
         if len(parts) == 1:
             return parts[0][1]
         b, steps, device = len(rows), trees.depth + 1, hidden.device
@@ -187,23 +193,24 @@ class Verifier:
         walk = (trees.depth + 1) * max(g, floor)
         return walk < max(g * n, floor) or g * n * per_node_entries > SAMPLE_ENTRIES
 
-    def _greedy(self, trees: TreeBatch, states: torch.Tensor, allowed: torch.Tensor | None) -> Accepted:
-        """Greedy verdicts of these rows from their hidden states [G, N, H] (and, for structured outputs,
-        each node's allowed tokens [G, N, W]: the argmax is the constrained one)."""
+    def _penalties(self, rows: list[Request], trees: TreeBatch) -> NodePenalties | None:
+        if all(r.penalties is None for r in rows):
+            return None
+        return NodePenalties(rows, trees, self.runner.lm_head.weight.shape[0], trees.tokens.device)
+
+    def _greedy(self, trees: TreeBatch, states: torch.Tensor, node: NodeLogits) -> Accepted:
+        """Greedy verdicts of these rows from their hidden states [G, N, H]; ``node`` turns the target's
+        logits into the law plain decoding would use there (grammar, penalties)."""
         head = self.runner.lm_head
         if self.visit_nodes(trees):
             rows = torch.arange(states.shape[0], device=states.device)
-            return walk_greedy(
-                trees, lambda cur: masked(head(states[rows, cur]), allowed, rows, cur).argmax(dim=-1)
-            )
+            return walk_greedy(trees, lambda cur: node(head(states[rows, cur]), rows, cur).argmax(dim=-1))
         # All nodes, ARGMAX_CHUNK_ENTRIES // V at a time: at a 152k vocabulary, all of 16 rows x 257 nodes
         # at once would be 2.5 GB of logits.
         flat = states.reshape(-1, states.shape[-1])  # [G * N, H]
-        flat_allowed = None if allowed is None else allowed.reshape(-1, allowed.shape[-1])  # [G * N, W]
         step = max(1, ARGMAX_CHUNK_ENTRIES // head.weight.shape[0])
         argmax = [
-            masked(head(flat[i : i + step]), flat_allowed, slice(i, i + step)).argmax(dim=-1)
-            for i in range(0, flat.shape[0], step)
+            node.flat(head(flat[i : i + step]), i).argmax(dim=-1) for i in range(0, flat.shape[0], step)
         ]
         return accept_greedy(trees, torch.cat(argmax).view(states.shape[:2]))
 
@@ -213,20 +220,20 @@ class Verifier:
         group: list[int],
         trees: TreeBatch,
         states: torch.Tensor,
-        allowed: torch.Tensor | None,
+        node: NodeLogits,
     ) -> Accepted:
-        """Tree rejection sampling of the rows ``group`` (their trees and hidden states [S, N, H]; for
-        structured outputs each node's allowed tokens [S, N, W], which the target's law is restricted to)."""
+        """Tree rejection sampling of the rows ``group`` (their trees and hidden states [S, N, H]);
+        ``node`` turns the target's logits into the law plain decoding would sample from there."""
         device = states.device
         head = self.runner.lm_head
         sampling = SamplingTensors.from_params([rows[i].params for i in group], device)
         if self.visit_nodes(trees, per_node_entries=head.weight.shape[0]):
             at = torch.arange(states.shape[0], device=device)
-            probs = lambda cur: filtered_probs(  # noqa: E731
-                masked(head(states[at, cur]), allowed, at, cur)[:, None], sampling
-            )[:, 0]
+            probs = lambda cur: filtered_probs(node(head(states[at, cur]), at, cur)[:, None], sampling)[:, 0]  # noqa: E731
         else:
-            probs = filtered_probs(masked(head(states), allowed), sampling)  # [S, N, V]
+            logits = head(states)  # [S, N, V]
+            flat = node.flat(logits.view(-1, logits.shape[-1]), 0)
+            probs = filtered_probs(flat.view(logits.shape), sampling)  # [S, N, V]
         coins = torch.zeros(trees.tokens.shape, dtype=torch.float32, device=device)  # [S, N]
         finals = []
         for k, i in enumerate(group):
@@ -289,11 +296,29 @@ def tree_grammar_masks(rows: list[Request], trees: TreeBatch) -> torch.Tensor | 
     return upload(masks, device)
 
 
-def masked(logits: torch.Tensor, allowed: torch.Tensor | None, *index) -> torch.Tensor:
-    """``logits`` [..., V] with what ``allowed[index]`` [..., W] forbids at -inf (structured outputs);
-    unchanged without masks."""
-    if allowed is None:
-        return logits
-    from ddtree.grammar import apply_masks
+class NodeLogits:
+    """What plain decoding would do to the target's logits at a tree node: the grammar's mask
+    (``allowed`` [G, N, W], structured outputs) and the penalties, for a group of rows whose trees are
+    N nodes wide. Unchanged logits when the group has neither."""
 
-    return apply_masks(logits, allowed[index] if index else allowed)
+    def __init__(self, allowed: torch.Tensor | None, penalties: NodePenalties | None, width: int) -> None:
+        self.allowed = allowed
+        self.penalties = penalties
+        self.width = width
+
+    def __call__(self, logits: torch.Tensor, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+        """``logits`` [M, V] at the nodes ``nodes`` [M] of rows ``rows`` [M]."""
+        if self.allowed is not None:
+            from ddtree.grammar import apply_masks  # xgrammar: only for engines that serve it
+
+            logits = apply_masks(logits, self.allowed[rows, nodes])
+        if self.penalties is not None:
+            logits = self.penalties(logits, rows, nodes)
+        return logits
+
+    def flat(self, logits: torch.Tensor, first: int) -> torch.Tensor:
+        """``logits`` [M, V] of the flat nodes first .. first + M - 1 (row-major over [G, N])."""
+        if self.allowed is None and self.penalties is None:
+            return logits
+        at = torch.arange(first, first + logits.shape[0], device=logits.device)
+        return self(logits, at // self.width, at % self.width)

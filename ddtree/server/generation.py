@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from ddtree.errors import DDTreeError
 from ddtree.output import OutputState
 from ddtree.params import SamplingParams
+from ddtree.penalties import check_logit_bias
 from ddtree.server.chat import render_chat
 from ddtree.server.errors import invalid
 from ddtree.server.metrics import Metrics
@@ -95,6 +96,10 @@ def plan_choices(model: ServedModel, plan: Plan) -> list[Choice]:
     """Render, tokenize and check the request against the context (raising its 400); one choice per
     prompt x n, seeded ones with ``seed + index``."""
     engine = model.engine
+    try:
+        check_logit_bias(plan.params, engine.vocab_size)
+    except DDTreeError as exc:
+        raise invalid(str(exc), "logit_bias") from None
     if plan.messages is not None:
         prompts = [render_chat(engine.tokenizer, plan.messages, plan.tools, plan.template_kwargs)]
         param = "messages"
@@ -106,6 +111,9 @@ def plan_choices(model: ServedModel, plan: Plan) -> list[Choice]:
         # add none then); a completion prompt gets the tokenizer's (a BOS for Llama).
         prompt_ids = _encode(engine, prompt, param, add_special_tokens=plan.messages is None)
         max_new = _max_new_tokens(plan, len(prompt_ids), model.max_positions, param)
+        if plan.params.min_tokens > max_new:
+            message = f"min_tokens ({plan.params.min_tokens}) is more than max_tokens ({max_new})"
+            raise invalid(message, "min_tokens")
         for j in range(plan.n):
             index = i * plan.n + j
             seed = None if plan.params.seed is None else plan.params.seed + index

@@ -187,14 +187,6 @@ def _sampling_params(
     body: GenerationRequest, logprobs: int | None, response_format: ResponseFormat | None = None
 ) -> SamplingParams:
     """OpenAI's defaults (temperature 1, top_p 1); raises DDTreeError (a 400) on a bad combination."""
-    if body.frequency_penalty:
-        raise unsupported("frequency_penalty")
-    if body.presence_penalty:
-        raise unsupported("presence_penalty")
-    if body.logit_bias:
-        raise unsupported("logit_bias")
-    if body.repetition_penalty is not None and body.repetition_penalty != 1.0:
-        raise unsupported("repetition_penalty")
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
     temperature = 1.0 if body.temperature is None else body.temperature
@@ -205,12 +197,28 @@ def _sampling_params(
         top_p=1.0 if body.top_p is None else body.top_p,
         min_p=body.min_p or 0.0,
         seed=body.seed,
-        max_new_tokens=1,  # the engine thread sets the real one once it knows the prompt's length
+        max_new_tokens=max(1, body.min_tokens or 0),  # set for real once the prompt's length is known
         stop=tuple(stop),
         ignore_eos=bool(body.ignore_eos),
         logprobs=logprobs,
         structured_outputs=_structured_outputs(body.structured_outputs, response_format),
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=_logit_bias(body.logit_bias),
+        min_tokens=body.min_tokens or 0,
+        bad_words=tuple(body.bad_words or ()),
     )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's string keys as token ids (the engine checks them against the vocabulary)."""
+    out = {}
+    for key, value in (bias or {}).items():
+        if not key.strip().isdigit():
+            raise invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def _structured_outputs(

@@ -3,9 +3,10 @@
 Requests are strict (no type coercion, unknown fields refused) so a client's typo is a 400 that names
 the field, never a silently ignored setting. As in vLLM, fields that cannot change the output (``store``,
 ``metadata``, ``user``, ...: ``IGNORED_FIELDS``) are accepted and ignored, and fields that would change it
-in a way this server does not implement (penalties, ``logit_bias``, tools) are refused unless neutral.
-Extensions beyond OpenAI's API are marked as such: ``top_k``, ``min_p``, ``ignore_eos`` and
-``speculative`` in requests, ``ddtree`` in responses.
+in a way this server does not implement (``echo``, ``suffix``, ``best_of`` != n) are refused. Extensions
+beyond OpenAI's API are marked as such: ``top_k``, ``min_p``, ``ignore_eos``, ``speculative`` and vLLM's
+(``repetition_penalty``, ``min_tokens``, ``bad_words``, ``structured_outputs``, ...) in requests,
+``ddtree`` in responses.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ MAX_STOP = 16
 MAX_MESSAGES = 2048  # as OpenAI; checked while parsing, before a model is built per message
 MAX_LOGPROBS = 20  # as ddtree.params.MAX_LOGPROBS
 MAX_TOOLS = 128  # as OpenAI
+MAX_LOGIT_BIAS = 1024  # tokens a request may bias
+MAX_BAD_WORDS = 128
 MAX_TOPK = 1 << 20
 INT64 = 1 << 63
 
@@ -84,11 +87,19 @@ class GenerationRequest(_Strict):
     speculative: bool | SpeculativeOptions | None = Field(
         None, description="extension: false = plain decoding (method ar); an object picks method/budget/topk"
     )
-    frequency_penalty: float | None = Field(None, allow_inf_nan=False, description="only 0 is supported")
-    presence_penalty: float | None = Field(None, allow_inf_nan=False, description="only 0 is supported")
-    logit_bias: dict[str, float] | None = Field(None, description="only empty is supported")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="token id (as a string) -> logit added, in [-100, 100]"
+    )
     repetition_penalty: float | None = Field(
-        None, allow_inf_nan=False, description="vLLM's extension; only 1 is supported"
+        None, gt=0, allow_inf_nan=False, description="vLLM's extension: > 1 discourages seen tokens"
+    )
+    min_tokens: int | None = Field(
+        None, ge=0, description="vLLM's extension: no EOS, stop token or stop string before this many tokens"
+    )
+    bad_words: Annotated[list[NonEmptyStr], Field(max_length=MAX_BAD_WORDS)] | None = Field(
+        None, description="vLLM's extension: words never completed"
     )
     cache_salt: NonEmptyStr | None = Field(
         None, description="vLLM's extension: requests with different salts share no prefix-cache block"

@@ -82,7 +82,7 @@ class GrammarCompiler:
         return self._compiler.compile_grammar(spec.grammar)
 
     def state(self, spec: StructuredOutputs) -> GrammarState:
-        return GrammarState(self.compile(spec), self.vocab_size)
+        return GrammarState(self.compile(spec), self.vocab_size, spec.start_after)
 
 
 def _literal(text: str) -> str:
@@ -92,28 +92,49 @@ def _literal(text: str) -> str:
 
 class GrammarState:
     """One request's place in its grammar: advanced by the tokens it commits; asked, each round, what
-    may follow every node of its draft tree."""
+    may follow every node of its draft tree.
 
-    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+    With ``start_after`` (a reasoning parser's end of thinking) the grammar waits: everything is allowed
+    until the output's first run of those ids, and holds from the token after it, as vLLM's structured
+    outputs do after the reasoning. In a tree the run may end at any node: the grammar then holds below
+    that node."""
+
+    def __init__(
+        self, compiled: xgr.CompiledGrammar, vocab_size: int, start_after: Sequence[int] = ()
+    ) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)  # rollback is unbounded in xgrammar >= 0.2
         self.vocab_size = vocab_size
         self.mask_width = xgr.get_bitmask_shape(1, vocab_size)[1]  # W = ceil(V / 32) int32 words
+        self.waiting_for = tuple(start_after)  # empty once the grammar holds
+        self._tail: list[int] = []  # while waiting: the output's last len(waiting_for) - 1 tokens
 
     @property
     def terminated(self) -> bool:
         """The grammar is complete and its stop token accepted: nothing may follow."""
-        return self.matcher.is_terminated()
+        return not self.waiting_for and self.matcher.is_terminated()
 
     def accept(self, tokens: Sequence[int]) -> None:
         """Advance past committed tokens (each was allowed by the mask it was chosen under)."""
+        tokens = [int(t) for t in tokens]
+        while self.waiting_for and tokens:
+            self._tail.append(tokens.pop(0))
+            if self._ends_run(self._tail):
+                self.waiting_for, self._tail = (), []
+            else:
+                self._tail = self._tail[len(self._tail) - len(self.waiting_for) + 1 :]
         for token in tokens:
-            if not self.matcher.accept_token(int(token)):
+            if not self.matcher.accept_token(token):
                 raise DDTreeError(f"token {token} was committed against the request's grammar")
+
+    def _ends_run(self, tokens: Sequence[int]) -> bool:
+        k = len(self.waiting_for)
+        return len(tokens) >= k and tuple(tokens[len(tokens) - k :]) == self.waiting_for
 
     def next_mask(self) -> torch.Tensor:
         """[W] int32: the tokens allowed next (bit t of word t // 32), W = ceil(V / 32)."""
         mask = xgr.allocate_token_bitmask(1, self.vocab_size)
-        self.matcher.fill_next_token_bitmask(mask, 0)
+        if not self.waiting_for:
+            self.matcher.fill_next_token_bitmask(mask, 0)
         return mask[0]
 
     def tree_masks(self, tokens: np.ndarray, parents: np.ndarray) -> np.ndarray:
@@ -121,6 +142,34 @@ class GrammarState:
         ``parents[0] == -1``, children after their parent, siblings most probable first). A node whose
         own token the grammar forbids is never accepted, nor anything below it; its row allows
         everything, so the distributions computed there stay finite."""
+        if not self.waiting_for:
+            return self._walk(tokens, parents)
+        # Waiting: each node where the run of ``waiting_for`` ends (first on its path) starts the grammar
+        # for its subtree, walked with that node as the root; everything else allows every token.
+        n = len(tokens)
+        masks = np.full((n, self.mask_width), -1, dtype=np.int32)
+        owner = np.full(n, -1, dtype=np.int64)  # the node that started the grammar above each node
+        k = len(self.waiting_for)
+        for node in range(1, n):
+            owner[node] = owner[parents[node]]
+            if owner[node] < 0:
+                path, at = [], node
+                while at > 0 and len(path) < k:
+                    path.append(int(tokens[at]))
+                    at = int(parents[at])
+                if self._ends_run(self._tail + path[::-1]):
+                    owner[node] = node
+        for start in np.unique(owner[owner >= 0]):
+            sub = np.flatnonzero(owner == start)  # the start node first: children come after parents
+            local = np.full(n, -1, dtype=np.int64)
+            local[sub] = np.arange(len(sub))
+            sub_parents = local[parents[sub]]
+            sub_parents[0] = -1
+            masks[sub] = self._walk(tokens[sub], sub_parents)
+        return masks
+
+    def _walk(self, tokens: np.ndarray, parents: np.ndarray) -> np.ndarray:
+        """xgrammar's walk of a tree from the matcher's state (node 0 accepted already)."""
         n = len(tokens)
         first_child = np.full(n, -1, dtype=np.int64)
         next_sibling = np.full(n, -1, dtype=np.int64)

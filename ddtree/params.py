@@ -109,6 +109,9 @@ class StructuredOutputs:
     grammar: str | None = None  # EBNF (xgrammar's dialect of GBNF)
     json_object: bool = False
     disable_any_whitespace: bool = False  # json: no whitespace but json.dumps' (", " and ": ")
+    # The grammar holds from the token after the output's first run of these ids (a reasoning parser's
+    # end of thinking, e.g. "</think>"); empty: from the first token.
+    start_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -118,6 +121,9 @@ class StructuredOutputs:
                 "structured outputs take exactly one of json, regex, choice, grammar, json_object; "
                 f"got {', '.join(given) or 'none'}"
             )
+        object.__setattr__(self, "start_after", tuple(self.start_after))
+        if not all(_is_int(t) and t >= 0 for t in self.start_after):
+            raise DDTreeError("structured outputs' start_after must be token ids")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
             raise DDTreeError("structured outputs' choice must be a non-empty list of strings")
         size = sum(len(x) for x in (self.json, self.regex, self.grammar) if x) + sum(

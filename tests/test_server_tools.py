@@ -17,6 +17,7 @@ import pytest
 from ddtree.cli import main
 from ddtree.engine import Engine
 from ddtree.server import ServerConfig, create_app
+from ddtree.server.reasoning import grammar_start
 from tests.server_helpers import ThreadServer
 
 KEY = "test-key"
@@ -57,15 +58,21 @@ CALL_TEXT = (
 
 
 @pytest.fixture(scope="module")
-def server():
+def engine() -> Engine:
     engine = Engine.from_pretrained(budget=16)
     engine.tokenizer.chat_template = TEMPLATE
+    return engine
+
+
+@pytest.fixture(scope="module")
+def server(engine):
     config = ServerConfig(
         model_name="tiny",
         api_keys=(KEY,),
         enable_auto_tool_choice=True,
         tool_call_parser="hermes",
         reasoning_parser="qwen3",
+        structured_outputs_in_reasoning=True,  # so a grammar can make the model write a reasoning
     )
     with ThreadServer(create_app(lambda: engine, config)) as running:
         yield running
@@ -201,6 +208,38 @@ def test_auto_tool_choice_reads_the_reasoning_and_the_hermes_call_whole_and_stre
         off.content == "<think>Cold?</think>\nChecking." and getattr(off, "reasoning_content", None) is None
     )
     assert len(off.tool_calls) == 1
+
+
+def test_by_default_a_structured_output_holds_once_the_reasoning_has_ended(engine):
+    """vLLM's default: with a reasoning parser, the grammar waits for ``</think>``. This model never writes
+    one, so its answer is the free one; with thinking off (the template closes it) the grammar holds."""
+    config = ServerConfig(model_name="tiny", api_keys=(KEY,), reasoning_parser="qwen3")
+    constrained = {"structured_outputs": {"choice": ["Oslo", "Lima"]}}
+    with ThreadServer(create_app(lambda: engine, config)) as running:
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+        def ask(**extra):
+            return (
+                client.chat.completions.create(
+                    model="tiny", messages=MESSAGES, temperature=0, max_tokens=12, extra_body=extra
+                )
+                .choices[0]
+                .message
+            )
+
+        free = ask()
+        waiting = ask(**constrained)
+        assert waiting.content == free.content and free.content not in ("Oslo", "Lima")
+        off = ask(**constrained, chat_template_kwargs={"enable_thinking": False})
+        assert off.content in ("Oslo", "Lima")
+
+
+def test_the_grammar_starts_after_the_tokenizers_end_of_thinking_unless_the_prompt_closed_it(engine):
+    end = tuple(engine.tokenizer.encode("</think>", add_special_tokens=False))
+    assert grammar_start(engine.tokenizer, "<|user|>hi\n<|assistant|>") == end
+    assert grammar_start(engine.tokenizer, "<|assistant|><think>") == end  # the template opened it
+    assert grammar_start(engine.tokenizer, "<|assistant|><think></think>") == ()  # thinking off
+    assert grammar_start(engine.tokenizer, "<think>a</think><|user|>b<|assistant|><think>") == end
 
 
 @pytest.mark.parametrize(

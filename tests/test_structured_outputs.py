@@ -79,6 +79,36 @@ def test_greedy_ddtree_and_dflash_emit_constrained_plain_decodings_tokens_at_eve
         assert got == reference, (method, budget)
 
 
+def test_a_grammar_that_starts_after_a_marker_leaves_the_text_before_it_free(engine, monkeypatch):
+    """``start_after`` (a reasoning parser's end of thinking): free text up to the marker's first run, the
+    constraint after it; the run may end anywhere in a draft tree, and every method agrees with ``ar``."""
+    from ddtree.grammar import GrammarState
+
+    started_in_trees = []
+    walk = GrammarState.tree_masks
+
+    def spy(self, tokens, parents):
+        masks = walk(self, tokens, parents)
+        if self.waiting_for:  # trees in which the marker's run ends at some node: masked below it
+            started_in_trees.append(bool((masks != -1).any()))
+        return masks
+
+    monkeypatch.setattr(GrammarState, "tree_masks", spy)
+    for prompt in PROMPTS:
+        free = engine.generate(prompt, SamplingParams(max_new_tokens=48), method="ar").token_ids
+        marker = tuple(free[2:4])  # a two-token run the model writes by itself, first at position 2
+        assert all(tuple(free[i : i + 2]) != marker for i in range(2))
+        spec = replace(CONSTRAINTS["regex"], start_after=marker)
+        params = SamplingParams(max_new_tokens=48, structured_outputs=spec)
+        reference = engine.generate(prompt, params, method="ar")
+        assert reference.token_ids[:4] == free[:4] and reference.finish_reason == "stop"
+        check("regex", engine.tokenizer.decode(reference.token_ids[4:], skip_special_tokens=True))
+        for method, budget in (("dflash", None), ("ddtree", 16), ("ddtree", 64)):
+            got = engine.generate(prompt, params, method=method, budget=budget).token_ids
+            assert got == reference.token_ids, (prompt, method, budget)
+    assert any(started_in_trees)  # the grammar started inside a draft tree, not only between rounds
+
+
 def test_constrained_and_free_requests_share_a_batch_and_each_gets_its_solo_output(engine):
     free = SamplingParams(max_new_tokens=24)
     specs = []

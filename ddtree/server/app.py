@@ -58,6 +58,7 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (the default with tools) is allowed
     tool_call_parser: str | None = None  # ddtree.server.tool_parsers.TOOL_CALL_PARSERS
     reasoning_parser: str | None = None  # ddtree.server.reasoning.REASONING_PARSERS
+    structured_outputs_in_reasoning: bool = False  # True: a grammar holds from the first token, reasoning too
 
 
 @dataclass

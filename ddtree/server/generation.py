@@ -21,6 +21,7 @@ from ddtree.server.chat import render_chat
 from ddtree.server.errors import invalid
 from ddtree.server.metrics import Metrics
 from ddtree.server.protocol import SpeculativeStats
+from ddtree.server.reasoning import grammar_start
 from ddtree.server.tokens import TokenNames
 from ddtree.stats import mean_acceptance_length
 
@@ -53,6 +54,7 @@ class Plan:
     tools: list[dict] | None = None  # chat: for the template
     template_kwargs: dict | None = None  # chat: the request's chat_template_kwargs
     skip_special_tokens: bool = True  # False: the text keeps them (a tool parser's markers may be special)
+    grammar_after_reasoning: bool = False  # chat: structured outputs hold once the parsed reasoning ends
 
 
 @dataclass
@@ -100,9 +102,13 @@ def plan_choices(model: ServedModel, plan: Plan) -> list[Choice]:
         check_logit_bias(plan.params, engine.vocab_size)
     except DDTreeError as exc:
         raise invalid(str(exc), "logit_bias") from None
+    params = plan.params
     if plan.messages is not None:
         prompts = [render_chat(engine.tokenizer, plan.messages, plan.tools, plan.template_kwargs)]
         param = "messages"
+        if plan.grammar_after_reasoning and params.structured_outputs is not None:  # as vLLM
+            start = grammar_start(engine.tokenizer, prompts[0])
+            params = replace(params, structured_outputs=replace(params.structured_outputs, start_after=start))
     else:
         prompts, param = plan.prompts or [], "prompt"
     choices = []
@@ -111,13 +117,13 @@ def plan_choices(model: ServedModel, plan: Plan) -> list[Choice]:
         # add none then); a completion prompt gets the tokenizer's (a BOS for Llama).
         prompt_ids = _encode(engine, prompt, param, add_special_tokens=plan.messages is None)
         max_new = _max_new_tokens(plan, len(prompt_ids), model.max_positions, param)
-        if plan.params.min_tokens > max_new:
-            message = f"min_tokens ({plan.params.min_tokens}) is more than max_tokens ({max_new})"
+        if params.min_tokens > max_new:
+            message = f"min_tokens ({params.min_tokens}) is more than max_tokens ({max_new})"
             raise invalid(message, "min_tokens")
         for j in range(plan.n):
             index = i * plan.n + j
-            seed = None if plan.params.seed is None else plan.params.seed + index
-            choices.append(Choice(index, prompt_ids, replace(plan.params, max_new_tokens=max_new, seed=seed)))
+            seed = None if params.seed is None else params.seed + index
+            choices.append(Choice(index, prompt_ids, replace(params, max_new_tokens=max_new, seed=seed)))
     return choices
 
 

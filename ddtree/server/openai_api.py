@@ -99,7 +99,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
-    parsing, tool_grammar = _message_parsing(request.app.state.ddtree.config, body, tools)
+    config = request.app.state.ddtree.config
+    parsing, tool_grammar = _message_parsing(config, body, tools)
     params = _sampling_params(body, logprobs, body.response_format)
     if tool_grammar is not None:
         if params.structured_outputs is not None:
@@ -120,6 +121,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         tools=tools or None,
         template_kwargs=body.chat_template_kwargs,
         skip_special_tokens=skip_special if body.skip_special_tokens is None else body.skip_special_tokens,
+        grammar_after_reasoning=parsing is not None
+        and parsing.reasoning is not None
+        and not config.structured_outputs_in_reasoning,
         **_speculative(body.speculative),
     )
     answer = ChatAnswer(_name(request), _include_usage(body), bool(body.logprobs), plan.n, parsing=parsing)

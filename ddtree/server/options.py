@@ -67,6 +67,12 @@ def add_parser_options(p: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help=f"split <think> reasoning into reasoning_content: {', '.join(REASONING_PARSERS)}",
     )
+    p.add_argument(
+        "--structured-outputs-in-reasoning",
+        action="store_true",
+        help="with --reasoning-parser, constrain the reasoning too (vLLM's enable_in_reasoning); by default "
+        "a request's structured output holds once the reasoning has ended",
+    )
 
 
 def add_security_options(p: argparse.ArgumentParser) -> None:

@@ -21,6 +21,15 @@ THINK, END = "<think>", "</think>"
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "kimi_k2", "glm45")
 
 
+def grammar_start(tokenizer, prompt: str) -> tuple[int, ...]:
+    """The token ids after which a reasoning answer's structured output holds (vLLM applies it once the
+    reasoning has ended): ``</think>`` as the tokenizer writes it (one special token in reasoning models'
+    vocabularies), or none when the rendered prompt has closed the thinking itself."""
+    if prompt.rfind(END) > prompt.rfind(THINK):
+        return ()
+    return tuple(tokenizer.encode(END, add_special_tokens=False))
+
+
 class ReasoningStream:
     """One answer's text as (reasoning, content) pieces: ``feed`` as it arrives, ``finish`` at its end."""
 

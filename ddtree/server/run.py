@@ -191,6 +191,7 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
     )
     app = create_app(load, config, on_load_failed=load_failed, on_engine_failed=engine_failed)
     server = run_app(app, sock, args.shutdown_timeout, args.log_level, args.access_log)

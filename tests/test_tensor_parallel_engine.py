@@ -58,6 +58,17 @@ def test_greedy_under_tensor_parallelism_equals_ar_and_one_process(single, shard
     assert stats.calls > 0 and stats.bytes > 0  # every step went through the channel
 
 
+def test_penalties_under_tensor_parallelism_equal_one_process(single, sharded):
+    """Rank 0 penalises every node (its LM head's logits): the same tokens as one process."""
+    params = SamplingParams(
+        max_new_tokens=NEW, frequency_penalty=0.6, repetition_penalty=1.3, min_tokens=8, bad_words=("def",)
+    )
+    reference = tokens(single, "ar", params)
+    assert reference != tokens(single, "ar", SamplingParams(max_new_tokens=NEW))
+    for method in ("ar", "ddtree"):
+        assert tokens(sharded, method, params) == reference, method
+
+
 def test_seeded_samples_under_tensor_parallelism_do_not_depend_on_the_batch(sharded):
     specs = [
         (PROMPTS[0], SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_new_tokens=NEW), "ddtree"),

@@ -16,6 +16,7 @@ import tests.test_sampling_lossless as lossless
 from ddtree import Engine, SamplingParams
 from ddtree.errors import DDTreeError
 from ddtree.penalties import RequestPenalties
+from tests.conftest import real_size_models
 
 PROMPTS = ["def fibonacci(n):", "class Stack:", "import os"]
 NEW = 40
@@ -195,3 +196,18 @@ def test_sampled_ddtree_follows_the_penalised_target_distribution():
     assert draws.multi_token_rounds > 0  # drafted nodes were accepted under the penalties
     assert chi2_p > lossless.P_PASS and g_p > lossless.P_PASS, (chi2_p, g_p)
     assert lossless.fit_p_values(draws.counts, free)[1] < lossless.P_BROKEN  # and the test can tell
+
+
+def test_penalties_at_a_real_vocabulary_keep_ddtree_equal_to_plain_decoding(tmp_path):
+    """Qwen3-0.6B's shapes (vocabulary 151,936, GQA, head_dim 128; two random layers, float32 so that no
+    near-tie decides): every node's counts are gathered and scattered at the real width."""
+    target_dir, drafter_dir = real_size_models(tmp_path, layers=2)
+    engine = Engine.from_pretrained(target_dir, drafter_dir, dtype=torch.float32, max_model_len=512)
+    prompts = ["w5 w17 w300 w5 w17", "w9 w9 w9 w1000"]
+    params = SamplingParams(
+        max_new_tokens=8, frequency_penalty=1.0, repetition_penalty=1.5, min_tokens=4, logit_bias={7: 3.0}
+    )
+    reference = [r.token_ids for r in engine.generate(prompts, params, method="ar")]
+    assert reference != [r.token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=8))]
+    got = [r.token_ids for r in engine.generate(prompts, params, method="ddtree", budget=64)]
+    assert got == reference

@@ -149,41 +149,58 @@ class NodePenalties:
             self.path[:, :, 0] = False  # the root is the output's last token, counted already
         self.bans = _sequence_bans(rows, pens, trees, device)  # [K, 3] (row, node, token) or None
 
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        rows: torch.Tensor,
-        nodes: torch.Tensor,
-        depths: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
         """``logits`` [M, V] of the nodes ``nodes`` [M] of rows ``rows`` [M] (indices into the group),
-        penalised (in place where it can; the result is returned). ``depths`` [M] overrides the nodes'
-        depths (a draft's positions, before there is a tree)."""
-        neg = float("-inf")
+        penalised (a new tensor)."""
         if self.bans is not None:  # multi-token bad words completed at these nodes
             key = rows * self.width + nodes  # [M]
             hit = key[:, None] == (self.bans[:, 0] * self.width + self.bans[:, 1])[None]  # [M, K]
-            src = torch.where(hit, neg, float("inf")).to(logits.dtype)
+            src = torch.where(hit, float("-inf"), float("inf")).to(logits.dtype)
             logits = logits.scatter_reduce(1, self.bans[:, 2].expand_as(hit), src, reduce="amin")
+        depths = 0 if self.depths is None else self.depths[rows, nodes][:, None]  # tokens before it, [M, 1]
+        counts = None
+        if self.counting:
+            counts = self.counts[rows]  # [M, V], a gathered copy
+            if self.path is not None:
+                counts.scatter_add_(1, self.tokens[rows], self.path[rows, nodes].to(counts.dtype))
+        return self._apply(logits, rows, depths, counts)
+
+    def drafts(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits [G, L, V] penalised as a first level's would be, at each position's depth: the
+        drafted tokens before a position are not known yet, so only the output counts (a new tensor)."""
+        if self.bans is not None:  # words the output's end completes
+            logits = logits.clone()
+            logits[self.bans[:, 0], :, self.bans[:, 2]] = float("-inf")
+        depths = torch.arange(logits.shape[1], device=logits.device)[None, :, None]  # [1, L, 1]
+        counts = None if self.counts is None else self.counts[:, None]  # [G, 1, V]
+        return self._apply(logits, slice(None), depths, counts)
+
+    def _apply(self, logits: torch.Tensor, rows, depths, counts: torch.Tensor | None) -> torch.Tensor:
+        """Bias, min_tokens and the repetition, frequency and presence penalties on logits [M, V] (rows
+        ``rows`` [M]) or [G, L, V] (every row: ``rows`` is ``slice(None)``); ``depths`` and ``counts``
+        already broadcast to the logits' shape ([M, 1] / [M, V], or [1, L, 1] / [G, 1, V])."""
+        lead = logits.dim() - 2  # 0 for [M, V], 1 for [G, L, V]
+
+        def per_row(x: torch.Tensor) -> torch.Tensor:  # [G] -> [M, 1] or [G, 1, 1]
+            return x[rows].view(-1, *[1] * (lead + 1))
+
+        def per_token(x: torch.Tensor) -> torch.Tensor:  # [G, V] -> [M, V] or [G, 1, V]
+            return x[rows].view(x[rows].shape[0], *[1] * lead, x.shape[-1])
+
         if self.bias is not None:
-            logits = logits + self.bias[rows]
-        if depths is None:  # tokens before the predicted one
-            depths = 0 if self.depths is None else self.depths[rows, nodes]
+            logits = logits + per_token(self.bias)
         if self.holding:
-            short = (self.generated[rows] + depths < self.min_tokens[rows])[:, None]  # [M, 1]
-            logits = logits.masked_fill(short & self.held[rows], neg)
-        if not self.counting:
+            short = per_row(self.generated) + depths < per_row(self.min_tokens)
+            logits = logits.masked_fill(short & per_token(self.held), float("-inf"))
+        if counts is None:
             return logits
-        counts = self.counts[rows]  # [M, V], a gathered copy
-        if self.path is not None:
-            counts.scatter_add_(1, self.tokens[rows], self.path[rows, nodes].to(counts.dtype))
         seen = counts > 0
         if self.repeating:
-            rep = self.repetition[rows][:, None]
-            hit = seen | self.seen[rows]
+            rep = per_row(self.repetition)
+            hit = seen | per_token(self.seen)
             logits = torch.where(hit, torch.where(logits > 0, logits / rep, logits * rep), logits)
-        logits = logits - self.frequency[rows][:, None] * counts
-        return logits - self.presence[rows][:, None] * seen
+        logits = logits - per_row(self.frequency) * counts
+        return logits - per_row(self.presence) * seen
 
 
 def _scatter_rows(lists: Sequence[Sequence[int]], vocab: int, device: torch.device, dtype) -> torch.Tensor:

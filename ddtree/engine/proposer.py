@@ -227,14 +227,9 @@ def penalised_drafts(drafting: list[Request], logits: torch.Tensor) -> torch.Ten
     at = [i for i, r in enumerate(drafting) if r.penalties is not None]
     if not at:
         return logits
-    g, (_, depth, vocab) = len(at), logits.shape
-    penalties = NodePenalties([drafting[i] for i in at], None, vocab, logits.device)
-    device = logits.device
-    rows = torch.arange(g, device=device).repeat_interleave(depth)  # [G * depth]
-    positions = torch.arange(depth, device=device).repeat(g)  # [G * depth]
-    index = upload(np.asarray(at, dtype=np.int64), device)
-    flat = logits[index].reshape(-1, vocab)  # [G * depth, V]
-    logits[index] = penalties(flat, rows, torch.zeros_like(rows), positions).view(g, depth, vocab)
+    penalties = NodePenalties([drafting[i] for i in at], None, logits.shape[-1], logits.device)
+    index = upload(np.asarray(at, dtype=np.int64), logits.device)
+    logits[index] = penalties.drafts(logits[index]).to(logits.dtype)  # [G, depth, V]
     return logits
 
 

@@ -145,12 +145,24 @@ def test_a_schema_given_as_an_object_or_its_text_is_the_same_constraint():
 
 def test_compiling_past_the_time_bound_is_one_line_and_the_compiler_still_works(compiler, monkeypatch):
     schema = {"type": "object", "properties": {f"f{i}": {"type": "string"} for i in range(40)}}
-    monkeypatch.setattr(grammar, "COMPILE_SECONDS", 1e-9)
-    with pytest.raises(DDTreeError, match="did not compile within") as info:
-        compiler.compile(StructuredOutputs.of_schema(schema))
-    assert "\n" not in str(info.value)
-    monkeypatch.setattr(grammar, "COMPILE_SECONDS", 10.0)
-    assert compiler.compile(CONSTRAINTS["regex"]) is not None
+    release = threading.Event()
+    compile_ = compiler._compile
+
+    def slow(spec):  # a compile that outlasts the bound whatever the machine's speed
+        if spec.json is not None:
+            release.wait(30)
+        return compile_(spec)
+
+    monkeypatch.setattr(compiler, "_compile", slow)
+    monkeypatch.setattr(grammar, "COMPILE_SECONDS", 0.05)
+    try:
+        with pytest.raises(DDTreeError, match="did not compile within") as info:
+            compiler.compile(StructuredOutputs.of_schema(schema))
+        assert "\n" not in str(info.value)
+        monkeypatch.setattr(grammar, "COMPILE_SECONDS", 10.0)
+        assert compiler.compile(CONSTRAINTS["regex"]) is not None  # on a fresh thread, beside the slow one
+    finally:
+        release.set()
 
 
 def test_a_compile_stuck_past_the_bound_does_not_hold_the_next_ones(compiler, monkeypatch):

@@ -24,6 +24,7 @@ import xgrammar as xgr
 from ddtree.capture import upload
 from ddtree.errors import DDTreeError
 from ddtree.params import StructuredOutputs
+from ddtree.tree import ends_with
 
 COMPILE_SECONDS = 10.0
 CACHE_BYTES = 256 << 20  # compiled grammars kept for reuse (xgrammar evicts the least recently used)
@@ -118,17 +119,13 @@ class GrammarState:
         tokens = [int(t) for t in tokens]
         while self.waiting_for and tokens:
             self._tail.append(tokens.pop(0))
-            if self._ends_run(self._tail):
+            if tuple(self._tail[-len(self.waiting_for) :]) == self.waiting_for:
                 self.waiting_for, self._tail = (), []
             else:
                 self._tail = self._tail[len(self._tail) - len(self.waiting_for) + 1 :]
         for token in tokens:
             if not self.matcher.accept_token(token):
                 raise DDTreeError(f"token {token} was committed against the request's grammar")
-
-    def _ends_run(self, tokens: Sequence[int]) -> bool:
-        k = len(self.waiting_for)
-        return len(tokens) >= k and tuple(tokens[len(tokens) - k :]) == self.waiting_for
 
     def next_mask(self) -> torch.Tensor:
         """[W] int32: the tokens allowed next (bit t of word t // 32), W = ceil(V / 32)."""
@@ -149,16 +146,10 @@ class GrammarState:
         n = len(tokens)
         masks = np.full((n, self.mask_width), -1, dtype=np.int32)
         owner = np.full(n, -1, dtype=np.int64)  # the node that started the grammar above each node
-        k = len(self.waiting_for)
         for node in range(1, n):
             owner[node] = owner[parents[node]]
-            if owner[node] < 0:
-                path, at = [], node
-                while at > 0 and len(path) < k:
-                    path.append(int(tokens[at]))
-                    at = int(parents[at])
-                if self._ends_run(self._tail + path[::-1]):
-                    owner[node] = node
+            if owner[node] < 0 and ends_with(self.waiting_for, self._tail, tokens, parents, node):
+                owner[node] = node
         for start in np.unique(owner[owner >= 0]):
             sub = np.flatnonzero(owner == start)  # the start node first: children come after parents
             local = np.full(n, -1, dtype=np.int64)

@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ddtree.errors import DDTreeError
@@ -174,9 +175,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop", _strings(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise DDTreeError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
@@ -221,9 +220,7 @@ class SamplingParams:
                 f"min_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], "
                 f"got {self.min_tokens!r}"
             )
-        if isinstance(self.bad_words, str):
-            object.__setattr__(self, "bad_words", (self.bad_words,))
-        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        object.__setattr__(self, "bad_words", _strings(self.bad_words))
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise DDTreeError("bad_words must be non-blank strings")
 
@@ -243,6 +240,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         # As in vLLM: below 1e-5, logits / T overflows float32 and the limit distribution is the argmax.
         return self.temperature < GREEDY_BELOW
+
+
+def _strings(value: str | Sequence[str]) -> tuple[str, ...]:
+    """One string or several, as a tuple (``stop``, ``bad_words``)."""
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def _is_number(value: object) -> bool:

@@ -145,6 +145,21 @@ class TreeBatch:
         return TreeBatch(*(x[:, :n] for x in self.tensors), sizes, min(self.depth, n - 1), self.branching)
 
 
+def ends_with(
+    sequence: tuple[int, ...], history: list[int], tokens: np.ndarray, parents: np.ndarray, node: int
+) -> bool:
+    """Whether the text up to tree node ``node`` (``history``, the committed output's end with the root
+    last, then the node's drafted path) ends with ``sequence``; ``tokens`` / ``parents`` [N] are one tree
+    on the host (parents before children, the root's parent -1)."""
+    k = len(sequence)
+    path, at = [], node
+    while at > 0 and len(path) < k:  # the node's drafted path, nearest first
+        path.append(int(tokens[at]))
+        at = int(parents[at])
+    tail = history[max(0, len(history) - (k - len(path))) :] + path[::-1]
+    return tuple(tail[-k:]) == sequence if len(tail) >= k else False
+
+
 def build_tree_batch(vals: torch.Tensor, ids: torch.Tensor, roots: torch.Tensor, spec: TreeSpec) -> TreeBatch:
     """Every row's best-first tree at once, as tensor ops on the device (no host sync).
 

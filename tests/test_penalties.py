@@ -43,7 +43,7 @@ def penalise(logits: torch.Tensor, pen: RequestPenalties, output: list[int]) -> 
     if len(output) < pen.min_tokens:
         logits[list(pen.held_back)] = -torch.inf
     counts = Counter(output)
-    for token in set(pen.prompt_ids) | set(output):
+    for token in set(pen.prompt_ids.tolist()) | set(output):
         if pen.repetition != 1.0:
             x = logits[token]
             logits[token] = x / pen.repetition if x > 0 else x * pen.repetition
@@ -189,7 +189,7 @@ def test_sampled_ddtree_follows_the_penalised_target_distribution():
     pen = RequestPenalties.of(params, lossless.PROMPT, frozenset(), None, lossless.VOCAB)
     draws = lossless.draw(engine, "ddtree", params, lossless.N_FAST, seed=13, batch=128)
     law = penalised_law(target, params, pen)
-    free = penalised_law(target, params, RequestPenalties(0.0, 0.0, 1.0, (), 0, (), (), ()))
+    free = penalised_law(target, params, RequestPenalties(0.0, 0.0, 1.0, (), 0, (), ()))
     assert np.abs(law - free).sum() > 0.2  # the penalties move the law a long way
     chi2_p, g_p = lossless.fit_p_values(draws.counts, law)
     print(f"ddtree with penalties n={lossless.N_FAST}: chi-square p={chi2_p:.3g} G-test p={g_p:.3g}")

@@ -252,3 +252,17 @@ def test_structured_output_rows_add_one_read_of_their_trees_and_no_blocking_uplo
     calls = [c for c in calls if "ddtree/grammar.py" not in c]
     assert not [c for c in calls if c.startswith("blocking upload")], calls
     assert len(calls) == 3 and any("verifier.py" in c and c.startswith("cpu") for c in calls), calls
+
+
+def test_penalised_rows_add_no_read_and_no_blocking_upload(engine):
+    """Penalties (counts, bias, min_tokens) are per-row state uploaded pinned and node-wise tensor ops: a
+    round with penalised rows, greedy and sampled, drafted and verified, still reads the host at most
+    twice. (Multi-token bad words, like grammars, copy their rows' trees once: not asked here.)"""
+    penalised = dict(frequency_penalty=0.5, presence_penalty=0.2, repetition_penalty=1.3, logit_bias={3: 1.0})
+    greedy = SamplingParams(max_new_tokens=64, min_tokens=40, **penalised)
+    sampled = [replace(p, **penalised) for p in SAMPLED]
+    params = [greedy if i % 2 else sampled[i % 4] for i in range(16)]
+    methods = ["ddtree"] * 12 + ["dflash", "dflash", "ar", "ar"]
+    calls = reads_in_one_round(engine, params, methods)
+    assert not [c for c in calls if c.startswith("blocking upload")], calls
+    assert 1 <= len(calls) <= 2, "\n".join(calls)

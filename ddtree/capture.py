@@ -148,9 +148,13 @@ def upload(array: np.ndarray | Sequence[int], device: torch.device) -> torch.Ten
 _compiled_shapes = 0  # shapes compile_forward has been asked for in this process, every engine's
 
 
-def compile_forward(fn: Callable, device: torch.device, num_shapes: int) -> Callable:
+def compile_forward(
+    fn: Callable, device: torch.device, num_shapes: int, cuda_graphs: bool = True
+) -> Callable:
     """``torch.compile`` of one forward for ``num_shapes`` fixed shapes: one graph each, no graph break,
-    CUDA graphs on CUDA."""
+    CUDA graphs on CUDA unless ``cuda_graphs`` is off (the round's graphs beside the forwards: each feeds
+    the next, and a CUDA graph tree may reuse an earlier generation's outputs' memory once a new step
+    begins; they run as fused kernels instead)."""
     global _compiled_shapes
     config = torch._dynamo.config
     # Every shape is a new entry for the same code, and so is every shape of an earlier engine of this
@@ -158,7 +162,7 @@ def compile_forward(fn: Callable, device: torch.device, num_shapes: int) -> Call
     _compiled_shapes += num_shapes
     config.recompile_limit = max(config.recompile_limit, _compiled_shapes + 1)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * _compiled_shapes)
-    if device.type != "cuda":
+    if device.type != "cuda" or not cuda_graphs:
         return torch.compile(fn, fullgraph=True, dynamic=False)
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ddtree.params import SamplingParams, check_accept_thresholds
-from ddtree.tree import TreeBatch, top_k_rows
+from ddtree.tree import PaddedTrees, TreeBatch, children_table, top_k_rows
 from ddtree.verify import Accepted
 
 
@@ -194,6 +194,30 @@ def sample_tree_batch(
         trees.children(), trees.tokens, probs, coins.float(), final_coins.float(), trees.depth + 1,
         threshold_single, threshold_acc,
     )  # fmt: skip
+
+
+def sample_verdicts(
+    trees: PaddedTrees,
+    probs: torch.Tensor,
+    coins: torch.Tensor,
+    final_coins: torch.Tensor,
+    depth: int,
+    branching: int,
+    threshold_single: float,
+    threshold_acc: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``sample_tree_batch`` over padded trees (``probs`` [B, N, V] every node's target distribution,
+    ``depth`` a bound: steps past a row's last node change nothing): path, tokens [B, depth + 1] and
+    lengths [B]; one graph per bucket when compiled."""
+    b, n = trees.tokens.shape
+    valid = torch.arange(n, device=probs.device)[None] < trees.sizes[:, None]
+    rows = torch.arange(b, device=probs.device)
+    full = probs.float()
+    accepted = _walk_tree(
+        children_table(trees.parents, valid, branching), trees.tokens, lambda cur: full[rows, cur],
+        coins.float(), final_coins.float(), depth + 1, threshold_single, threshold_acc,
+    )  # fmt: skip
+    return accepted.path, accepted.tokens, accepted.lengths
 
 
 def _walk_tree(

@@ -10,7 +10,9 @@ was popped earlier, so the popped set is a tree rooted at the last accepted toke
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,6 +75,17 @@ class TreeSpec:
         return 1 + np.minimum(self.budgets, total)
 
 
+@dataclass(frozen=True)
+class PaddedTrees:
+    """A fixed-shape round's trees as its graphs take them: [Bp, Np] (a batch bucket, a node bucket),
+    dummy rows with no node at all (``sizes`` 0), so they write only the scratch column."""
+
+    tokens: torch.Tensor  # [Bp, Np] int64
+    depths: torch.Tensor  # [Bp, Np] int64
+    parents: torch.Tensor  # [Bp, Np] int64
+    sizes: torch.Tensor  # [Bp] int64 on the device
+
+
 @dataclass
 class TreeBatch:
     """Every row's tree as [B, N] tensors on the device, in pop order (parents before children); row b's
@@ -85,13 +98,20 @@ class TreeBatch:
     sizes: np.ndarray  # [B] int64 nodes per row, root included (host)
     depth: int  # the deepest node of the batch (host)
     branching: int = 1  # the most children a node may have (host)
+    sizes_on_device: torch.Tensor | None = None  # [B] ``sizes`` where the tree builder uploaded them
+    padded: PaddedTrees | None = None  # with fixed shapes: the trees as the round's graphs take them
 
     @functools.cached_property
     def valid(self) -> torch.Tensor:
         """[B, N] bool: real nodes (computed once; every stage of the round reads it)."""
         n = self.tokens.shape[1]
-        sizes = upload(self.sizes, self.tokens.device)
-        return torch.arange(n, device=self.tokens.device)[None] < sizes[:, None]
+        return torch.arange(n, device=self.tokens.device)[None] < self.device_sizes()[:, None]
+
+    def device_sizes(self) -> torch.Tensor:
+        """[B] ``sizes`` on the device (uploaded once)."""
+        if self.sizes_on_device is None:
+            self.sizes_on_device = upload(self.sizes, self.tokens.device)
+        return self.sizes_on_device
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -111,21 +131,8 @@ class TreeBatch:
         return TreeBatch(*(x[at] for x in self.tensors), self.sizes[rows], self.depth, self.branching)
 
     def children(self) -> torch.Tensor:
-        """[B, N, C] each node's children in sibling order, -1 past the last (C = the most children a node
-        may have). Siblings come in node order: in pop order a node's children come most probable first,
-        ties by index, which is ``compile_ddtree_retrieve``'s order."""
-        b, n = self.tokens.shape
-        device = self.tokens.device
-        # Each node's rank among its siblings (earlier real nodes with the same parent), then the table.
-        nodes = torch.arange(n, device=device)
-        same = (self.parents[:, :, None] == self.parents[:, None, :]) & (nodes[None, :] < nodes[:, None])
-        rank = (same & self.valid[:, None, :]).sum(dim=2)  # [B, N]
-        width = max(1, min(n - 1, self.branching))
-        child = self.valid & (nodes[None] > 0) & (rank < width)  # every real child fits: rank < branching
-        table = torch.full((b, n * width + 1), -1, dtype=torch.int64, device=device)  # last: discarded
-        where = torch.where(child, self.parents.clamp(min=0) * width + rank, n * width)
-        table.scatter_(1, where, nodes.expand(b, n))
-        return table[:, :-1].view(b, n, width)
+        """[B, N, C] each node's children in sibling order, -1 past the last (``children_table``)."""
+        return children_table(self.parents, self.valid, self.branching)
 
     def read_depth(self) -> TreeBatch:
         """The same trees with ``depth`` the deepest real node, read from the device (one host read).
@@ -134,15 +141,44 @@ class TreeBatch:
         near-flat draft gives wide trees a few levels deep under a bound of 15. The engine reads it after
         launching the verify forward, so on an accelerator the read waits for the tree, not the forward."""
         depth = int(self.depths.max()) if self.depth else 0
-        trees = TreeBatch(*self.tensors, self.sizes, depth, self.branching)
+        trees = dataclasses.replace(self, depth=depth)
         if "valid" in self.__dict__:
             trees.valid = self.valid
         return trees
 
-    def cut(self, sizes: np.ndarray) -> TreeBatch:
-        """The same trees cut to ``sizes`` nodes (prefixes of pop order are trees)."""
-        n = int(sizes.max(initial=1))
-        return TreeBatch(*(x[:, :n] for x in self.tensors), sizes, min(self.depth, n - 1), self.branching)
+    def cut(self, sizes: np.ndarray, nodes: int | None = None) -> TreeBatch:
+        """The same trees cut to ``sizes`` nodes (prefixes of pop order are trees), ``nodes`` columns wide
+        (by default the largest tree; with fixed shapes, its node bucket)."""
+        n = nodes or int(sizes.max(initial=1))
+        padded = None
+        if self.padded is not None:
+            full = np.zeros(self.padded.sizes.shape[0], dtype=np.int64)  # dummy rows: no node
+            full[: len(sizes)] = sizes
+            p = self.padded
+            # contiguous: a graph is compiled for its inputs' strides too
+            cols = (x[:, :n].contiguous() for x in (p.tokens, p.depths, p.parents))
+            padded = PaddedTrees(*cols, upload(full, p.sizes.device))
+        return TreeBatch(
+            *(x[:, :n] for x in self.tensors), sizes, min(self.depth, n - 1), self.branching, None, padded
+        )
+
+
+def children_table(parents: torch.Tensor, valid: torch.Tensor, branching: int) -> torch.Tensor:
+    """[B, N, C] each node's children in sibling order, -1 past the last, from parents and real nodes
+    [B, N] (C = the most children a node may have). Siblings come in node order: in pop order a node's
+    children come most probable first, ties by index, which is ``compile_ddtree_retrieve``'s order."""
+    b, n = parents.shape
+    device = parents.device
+    # Each node's rank among its siblings (earlier real nodes with the same parent), then the table.
+    nodes = torch.arange(n, device=device)
+    same = (parents[:, :, None] == parents[:, None, :]) & (nodes[None, :] < nodes[:, None])
+    rank = (same & valid[:, None, :]).sum(dim=2)  # [B, N]
+    width = max(1, min(n - 1, branching))
+    child = valid & (nodes[None] > 0) & (rank < width)  # every real child fits: rank < branching
+    table = torch.full((b, n * width + 1), -1, dtype=torch.int64, device=device)  # last: discarded
+    where = torch.where(child, parents.clamp(min=0) * width + rank, n * width)
+    table.scatter_(1, where, nodes.expand(b, n))
+    return table[:, :-1].view(b, n, width)
 
 
 def ends_with(
@@ -160,37 +196,121 @@ def ends_with(
     return tuple(tail[-k:]) == sequence if len(tail) >= k else False
 
 
-def build_tree_batch(vals: torch.Tensor, ids: torch.Tensor, roots: torch.Tensor, spec: TreeSpec) -> TreeBatch:
-    """Every row's best-first tree at once, as tensor ops on the device (no host sync).
+@dataclass(frozen=True)
+class TreeShape:
+    """The beam's static shape: ``width`` survivors a depth, ``k`` ranks a position, ``depths`` levels,
+    ``nodes`` columns of the result (root included). The host picks it per round from the rows' specs, or
+    per node bucket with fixed shapes (``TreeShape.bucket``), where one compiled graph serves every round
+    of that bucket: a wider beam, more ranks or more levels than a round needs change no tree (the rows'
+    own budgets, top-k and depths bound what is valid)."""
 
-    ``vals`` / ``ids`` [B, L, K] are each row's candidates (``draft_candidates``), ``roots`` [B] the roots'
-    tokens. Depth by depth, keep the ``W`` = max budget best prefixes among the previous depth's survivors
-    times their K children; the best ``budget_b`` over the union of depths are then row b's tree: each
-    depth's best ``budget_b`` are among that depth's W survivors, and the set is prefix-closed because a
-    child never scores above its parent. Only candidate pairs (parent slot p, rank r) with
-    (p + 1)(r + 1) <= W can make a depth's top W (that many pairs dominate them), so a depth scores
-    O(W log W) pairs, not W * K. Scores add in float64, as the heap's Python floats do, and ties fall as the
-    heap breaks them: by depth, then rank, then the parent's pop order (a stable sort over pairs laid out
-    rank-major, slots in pop order; invalid pairs sort last as NaN).
+    width: int
+    k: int
+    depths: int
+    nodes: int
+
+    @classmethod
+    def bucket(cls, nodes: int, depths: int, vocab: int) -> TreeShape:
+        return cls(width=nodes - 1, k=min(nodes - 1, vocab), depths=depths, nodes=nodes)
+
+
+def build_tree_batch(
+    vals: torch.Tensor,
+    ids: torch.Tensor,
+    roots: torch.Tensor,
+    spec: TreeSpec,
+    shape: TreeShape | None = None,
+    beam: Callable | None = None,
+    rows: int | None = None,
+) -> TreeBatch:
+    """Every row's best-first tree at once, on the device with no host sync: the host prepares the rows'
+    sizes and branching, ``beam_tree`` (or ``beam``, its compiled graph for ``shape``) builds the trees.
+
+    ``vals`` / ``ids`` [B, L, K] are each row's candidates (``draft_candidates``; with a ``shape``, K =
+    ``shape.k`` and L >= ``shape.depths``), ``roots`` [B] the roots' tokens. Without a ``shape`` the beam
+    is as wide, deep and branching as the batch asks and the trees as wide as the largest. With ``rows``
+    the rows past it are a fixed shape's dummies: no node at all, and the batch holds the first ``rows``
+    (views) with the whole in ``padded``.
     """
     b, _, k = vals.shape
     device = vals.device
     width = int(spec.budgets.max(initial=0))
     sizes = spec.sizes(width, k) if width else np.ones(b, dtype=np.int64)
+    if rows is not None:
+        sizes[rows:] = 0
     depth_max = int(spec.depths[spec.budgets > 0].max(initial=0)) if width else 0
-    n = int(sizes.max())
-    if n == 1:
-        return TreeBatch.root_only(roots)
+    if shape is None:
+        if int(sizes.max()) == 1:
+            return TreeBatch.root_only(roots)
+        shape = TreeShape(width=width, k=k, depths=depth_max, nodes=int(sizes.max()))
     # Branching allowed at each depth ([B, L]: a row's own cap, 0 past its depth), prepared on the host.
-    allowed = np.where(np.arange(depth_max)[None] < spec.depths[:, None], spec.topks[:, None], 0)
-    allowed = upload(allowed, device)
+    allowed = np.where(np.arange(shape.depths)[None] < spec.depths[:, None], spec.topks[:, None], 0)
+    plan = beam_plan(shape, device)
+    allowed_t, sizes_t = upload(allowed, device), upload(sizes, device)
+    tokens, depths, parents, logw = (beam or beam_tree)(vals, ids, roots, allowed_t, sizes_t, plan)
+    depth = int(np.minimum(spec.depths, sizes - 1).max())  # a tree of m nodes is at most m - 1 deep
+    if rows is None:
+        return TreeBatch(tokens, depths, parents, logw, sizes, depth, shape.k, sizes_t)
+    padded = PaddedTrees(tokens, depths, parents, sizes_t)
+    real = (x[:rows] for x in (tokens, depths, parents, logw))
+    return TreeBatch(*real, sizes[:rows], depth, shape.k, sizes_t[:rows], padded)
+
+
+@dataclass(frozen=True)
+class BeamPlan:
+    """What the beam reads for a ``TreeShape``, on the device once per shape: each depth's candidate
+    pairs (parent slot [P_d], rank [P_d]) and every level entry's depth [T]."""
+
+    shape: TreeShape
+    pairs: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    depth_of: torch.Tensor
+
+
+@functools.cache
+def beam_plan(shape: TreeShape, device: torch.device) -> BeamPlan:
+    """The pairs are chosen on the host (a boolean mask on the device would sync) and uploaded once."""
+    pp, pr = _beam_pairs(shape.width, shape.k)
+    pairs, widths, slots = [], [], 1  # the root: one slot
+    for _ in range(shape.depths):
+        keep = pp < slots
+        pairs.append((upload(pp[keep], device), upload(pr[keep], device)))
+        slots = min(shape.width, int(keep.sum()))
+        widths.append(slots)
+    depth_of = upload(np.repeat(np.arange(1, shape.depths + 1), widths), device)
+    return BeamPlan(shape, tuple(pairs), depth_of)
+
+
+def beam_tree(
+    vals: torch.Tensor,
+    ids: torch.Tensor,
+    roots: torch.Tensor,
+    allowed: torch.Tensor,
+    sizes: torch.Tensor,
+    plan: BeamPlan,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The trees' tokens, depths, parents and draft log-weights [B, N] (N = ``plan.shape.nodes``): pure
+    tensor ops of fixed shapes, one graph per shape when compiled.
+
+    Depth by depth, keep the ``W`` best prefixes among the previous depth's survivors times their K
+    children; the best ``sizes_b - 1`` over the union of depths are then row b's tree: each depth's best
+    ``budget_b`` are among that depth's W >= budget_b survivors, and the set is prefix-closed because a
+    child never scores above its parent. Only candidate pairs (parent slot p, rank r) with
+    (p + 1)(r + 1) <= W can make a depth's top W (that many pairs dominate them), so a depth scores
+    O(W log W) pairs, not W * K. Scores add in float64, as the heap's Python floats do, and ties fall as the
+    heap breaks them: by depth, then rank, then the parent's pop order (a stable sort over pairs laid out
+    rank-major, slots in pop order; invalid pairs sort last as NaN). ``allowed`` [B, L] is each row's
+    branching per depth (0 past its depth), ``sizes`` [B] its nodes, root included.
+    """
+    b, device, n, width = vals.shape[0], vals.device, plan.shape.nodes, plan.shape.width
+    root = torch.zeros(b, 1, dtype=torch.int64, device=device)
+    if n == 1:
+        return roots[:, None].to(torch.int64), root, root - 1, root.float()
     vals64 = vals.double()
     cost = torch.zeros(b, 1, dtype=torch.float64, device=device)  # -score; the root's is 0
     valid = torch.ones(b, 1, dtype=torch.bool, device=device)
     levels = []  # per depth: cost, valid, parent slot, token [B, W_d]
     nan = torch.full((), float("nan"), dtype=torch.float64, device=device)  # a fill: no upload
-    for d in range(depth_max):
-        p_d, r_d = _beam_pairs_on(width, k, cost.shape[1], device)  # [P_d] pairs whose parent slot exists
+    for d, (p_d, r_d) in enumerate(plan.pairs):  # [P_d] pairs whose parent slot exists
         cand = cost.index_select(1, p_d) - vals64[:, d].index_select(1, r_d)  # [B, P_d] = -(score + logp)
         ok = valid.index_select(1, p_d) & (r_d[None] < allowed[:, d : d + 1])  # [B, P_d]
         order = torch.where(ok, cand, nan).sort(dim=1, stable=True).indices[:, :width]  # [B, W_d]
@@ -200,6 +320,8 @@ def build_tree_batch(vals: torch.Tensor, ids: torch.Tensor, roots: torch.Tensor,
     costs = torch.cat([lv[0] for lv in levels], dim=1)  # [B, T] depth-major, each depth in pop order
     alive = torch.cat([lv[1] for lv in levels], dim=1)
     order = torch.where(alive, costs, nan).sort(dim=1, stable=True).indices[:, : n - 1]  # [B, n - 1]
+    if order.shape[1] < n - 1:  # a bucket wider than the beam's entries (a tiny vocabulary): padding
+        order = torch.nn.functional.pad(order, (0, n - 1 - order.shape[1]))
     # Global node index of every level entry (1 + its place in pop order; 0 if not in the tree).
     node_of = torch.zeros_like(costs, dtype=torch.int64)
     node_of.scatter_(1, order, torch.arange(1, n, device=device).expand(b, -1))
@@ -208,21 +330,16 @@ def build_tree_batch(vals: torch.Tensor, ids: torch.Tensor, roots: torch.Tensor,
     for (_, _, slot, _), width_prev in zip(levels[1:], widths, strict=False):
         parents.append(node_of[:, start : start + width_prev].gather(1, slot))
         start += width_prev
-    depth_of = upload(np.repeat(np.arange(1, depth_max + 1), widths), device)  # [T]
-    padding = torch.arange(1, n, device=device)[None] >= upload(sizes, device)[:, None]
+    padding = torch.arange(1, n, device=device)[None] >= sizes[:, None]
     node_tokens = torch.cat([lv[3] for lv in levels], dim=1).gather(1, order).masked_fill(padding, 0)
-    node_depths = torch.take(depth_of, order).masked_fill(padding, 0)
+    node_depths = torch.take(plan.depth_of, order).masked_fill(padding, 0)
     node_parents = torch.cat(parents, dim=1).gather(1, order).masked_fill(padding, 0)
     node_logw = (-costs.gather(1, order)).float().masked_fill(padding, 0.0)
-    root = torch.zeros(b, 1, dtype=torch.int64, device=device)
-    return TreeBatch(
-        tokens=torch.cat((roots[:, None].to(torch.int64), node_tokens), dim=1),
-        depths=torch.cat((root, node_depths), dim=1),
-        parents=torch.cat((root - 1, node_parents), dim=1),
-        logw=torch.cat((root.float(), node_logw), dim=1),
-        sizes=sizes,
-        depth=int(np.minimum(spec.depths, sizes - 1).max()),  # a tree of m nodes is at most m - 1 deep
-        branching=k,
+    return (
+        torch.cat((roots[:, None].to(torch.int64), node_tokens), dim=1),
+        torch.cat((root, node_depths), dim=1),
+        torch.cat((root - 1, node_parents), dim=1),
+        torch.cat((root.float(), node_logw), dim=1),
     )
 
 
@@ -233,12 +350,3 @@ def _beam_pairs(width: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     pairs = [(p, r) for r in range(min(k, width)) for p in range(width // (r + 1))]
     pp, pr = np.array(pairs, dtype=np.int64).T
     return pp, pr
-
-
-@functools.cache
-def _beam_pairs_on(width: int, k: int, slots: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``_beam_pairs`` whose parent slot is below ``slots`` (a depth's survivors), on the device: chosen
-    on the host (a boolean mask on the device would sync) and uploaded once per shape."""
-    pp, pr = _beam_pairs(width, k)
-    keep = pp < slots
-    return upload(pp[keep], device), upload(pr[keep], device)

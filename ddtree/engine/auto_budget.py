@@ -135,7 +135,7 @@ class AutoBudget:
         for i, k, w in zip(auto, counts, widths, strict=True):
             sizes[i] = k + 1
             seen.widths[i] = w
-        return trees.cut(sizes), seen
+        return trees.cut(sizes, self.runner.node_bucket(int(sizes.max(initial=1)))), seen
 
     def _why_plain(self, gains: list[np.ndarray]) -> tuple[str, str]:
         """The kind and the words of why auto rows run plain rounds now."""

@@ -45,7 +45,7 @@ from ddtree.engine.proposer import Proposer
 from ddtree.engine.request import GenerationResult, GenerationStats, Request, StepOutput, StreamDelta
 from ddtree.engine.scheduler import Chunk, Scheduler, delta_of
 from ddtree.engine.step_channel import StepChannel, close_channel
-from ddtree.engine.verifier import Verifier
+from ddtree.engine.verifier import SAMPLE_ENTRIES, Verifier
 from ddtree.errors import DDTreeError
 from ddtree.logprobs import TokenLogprobs, token_logprobs
 from ddtree.models import (
@@ -62,6 +62,7 @@ from ddtree.models import (
 from ddtree.output import OutputState
 from ddtree.params import AUTO, SamplingParams, StructuredOutputs, check_speculative_options
 from ddtree.penalties import RequestPenalties
+from ddtree.tree import PaddedTrees, TreeShape, beam_plan, draft_candidates
 
 if TYPE_CHECKING:
     from ddtree.grammar import GrammarCompiler, GrammarState
@@ -314,7 +315,9 @@ class Engine:
                 for n in runner.node_buckets:
                     batch = self.verifier.inputs([], None, shape=(b, n, span))
                     for _ in range(replays):
-                        runner.verify(*batch.forward_args(True))
+                        hidden, _ = runner.verify(*batch.forward_args(True))
+                    if span == runner.span_buckets[0] and self.drafter is not None:
+                        self._warm_round_graphs(hidden)
                 if self.drafter is not None:
                     bs, tables = self.drafter.block_size, runner.block_tables([], b)
                     for _ in range(replays):
@@ -323,6 +326,29 @@ class Engine:
             torch.cuda.synchronize(self.device)
         self.warmup_seconds += time.perf_counter() - t
         return self.warmup_seconds
+
+    def _warm_round_graphs(self, hidden: torch.Tensor) -> None:
+        """Run the round's graphs of one bucket (``hidden`` [Bp, Np, H]: its verify forward's output) on
+        dummy trees with the inputs' dtypes and strides of a real round, so no round compiles."""
+        runner, device = self.runner, self.device
+        b, n = hidden.shape[:2]
+        vocab = runner.lm_head.weight.shape[0]
+        sizes = torch.zeros(b, dtype=torch.int64, device=device)
+        if n > 1:
+            shape = TreeShape.bucket(n, self.drafter.block_size - 1, vocab)
+            vals, ids = draft_candidates(torch.zeros(b, shape.depths, vocab, device=device), shape.k)
+            allowed = torch.zeros(b, shape.depths, dtype=torch.int64, device=device)
+            roots = torch.zeros_like(sizes)  # a distinct tensor: a graph is compiled for its inputs' aliasing
+            trees = runner.tree_graph(vals, ids, roots, allowed, sizes, beam_plan(shape, device))[:3]
+        else:  # a tree cut to its root (budget "auto" choosing plain rounds)
+            trees = [torch.zeros(b, 1, dtype=torch.int64, device=device) for _ in range(3)]
+        padded = PaddedTrees(*trees, sizes)
+        runner.inputs_graph(*trees, sizes, sizes + 1, runner.cache.scratch, runner.tree_depth(n))
+        self.verifier.greedy_padded(padded, hidden, vocab)
+        if b * n * vocab <= SAMPLE_ENTRIES:
+            probs = torch.zeros(b, n, vocab, device=device)
+            coins = torch.zeros(b, n, device=device)
+            self.verifier.sample_padded(padded, probs, coins, coins[:, 0].contiguous(), vocab)
 
     # -- request-level API -------------------------------------------------------------------------------
 
@@ -641,11 +667,11 @@ class Engine:
         with clock.stage("verify"):
             # Features whenever a row drafts, and always with fixed shapes (one graph per shape).
             want = self.runner.fixed_shapes or any(r.drafts for r in rows)
-            hidden, features = self.runner.verify(*batch.forward_args(want))
-            hidden = hidden[: batch.rows, : batch.nodes]  # [B, N, H] (padded with fixed shapes)
+            padded, features = self.runner.verify(*batch.forward_args(want))  # [Bp, Np, H]
+            hidden = padded[: batch.rows, : batch.nodes]  # [B, N, H] (padded with fixed shapes)
             features = None if features is None else features[: batch.rows, : batch.nodes]  # [B, N, F * H]
         with clock.stage("accept"):
-            accepted = self.verifier.accept(rows, trees, hidden)  # the LM head closes the target forward
+            accepted = self.verifier.accept(rows, trees, hidden, padded)  # the LM head closes the forward
         with clock.stage("commit"):
             verdicts = self.verifier.verdicts(rows, accepted, hidden, features, batch.tables)
             status = self.auto.learn(rows, trees.sizes, seen, verdicts)

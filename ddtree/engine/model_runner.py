@@ -42,6 +42,9 @@ from ddtree.engine.step_channel import StepChannel, close_channel, replicated
 from ddtree.errors import DDTreeError
 from ddtree.forward import Float32Linear, TargetForward
 from ddtree.kv_cache import KVLayout, PagedKVCache, pack_accepted
+from ddtree.sampling import sample_verdicts
+from ddtree.tree import beam_tree
+from ddtree.verify import greedy_verdicts, tree_inputs
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +204,9 @@ class ModelRunner:
         self.inputs = StaticInputs(self.device, static=False)
         self.verify_forward = self.verify_forward_eager
         self.draft_forward = self.draft_forward_eager
+        # The round's work beside the forwards, at fixed shapes: one graph per bucket when compiled.
+        self.tree_graph, self.inputs_graph = beam_tree, tree_inputs
+        self.greedy_graph, self.sample_graph = greedy_verdicts, sample_verdicts
         self.attention = "sdpa"
         self.block_masks: dict[tuple[int, int, int], PagedBlockMask] = {}  # (pool, rows, queries) -> mask
         if channel is not None and channel.leader:  # the other ranks build their runners like this one
@@ -288,6 +294,20 @@ class ModelRunner:
                 mark_static([buf for c in caches for buf in (*c.keys, *c.values)])
             self.verify_forward = compile_forward(self.verify_forward_eager, self.device, shapes)
             self.draft_forward = compile_forward(self.draft_forward_eager, self.device, shapes)
+            rounds = len(self.batch_buckets) * len(self.node_buckets)
+            self.tree_graph, self.inputs_graph, self.greedy_graph, self.sample_graph = (
+                compile_forward(fn, self.device, rounds, cuda_graphs=False)
+                for fn in (beam_tree, tree_inputs, greedy_verdicts, sample_verdicts)
+            )
+
+    def node_bucket(self, nodes: int) -> int:
+        """Tree columns for trees of at most ``nodes`` nodes: that many, or with fixed shapes its bucket."""
+        return pick(self.node_buckets, nodes) if self.fixed_shapes else nodes
+
+    def tree_depth(self, nodes: int) -> int:
+        """A bound on the depth of any tree of ``nodes`` columns, fixed per bucket (the round's graphs
+        take one step per level): at most the drafted block, at most ``nodes - 1``."""
+        return min(self.drafter.block_size - 1, nodes - 1)
 
     def check_captured_budget(self, budget: int) -> None:
         if self.fixed_shapes and budget > self.max_drafted:

@@ -18,7 +18,7 @@ from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Request
 from ddtree.penalties import NodePenalties
 from ddtree.sampling import SamplingTensors, filtered_probs
-from ddtree.tree import TreeBatch, TreeSpec, build_tree_batch, draft_candidates
+from ddtree.tree import TreeBatch, TreeShape, TreeSpec, build_tree_batch, draft_candidates
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,9 @@ class Proposer:
         else:
             slots = [DraftSlot(p, r.draft_len, r.root) for r, p in zip(rows, pending, strict=True)]
             hidden = self.draft_pass(slots, max(totals), self.runner.block_tables(rows), fixed=False)
-        depth = max(self.depth(r) for r in rows)
+        # Every drafted position with fixed shapes (one tree graph per bucket), else as deep as needed.
+        fixed_depth = self.runner.drafter.block_size - 1 if self.runner.fixed_shapes else 0
+        depth = fixed_depth or max(self.depth(r) for r in rows)
         hidden = hidden[: len(rows), 1 : 1 + depth].to(self.runner.draft_head.dtype)  # [D, depth, H]
         logits = F.linear(
             hidden, self.runner.draft_head, self.runner.draft_head_bias
@@ -192,19 +194,35 @@ class Proposer:
                 budget = min(self.budget(r), room)
                 k = budget if r.topk is None else r.topk
                 spec.budgets[i], spec.topks[i], spec.depths[i] = budget, min(k, budget, vocab), depth
-        roots = self.runner.inputs.upload(np.array([r.root for r in rows], dtype=np.int64))  # [B]
+        runner = self.runner
         if logits is None or not spec.budgets.any():
-            return TreeBatch.root_only(roots)
+            return TreeBatch.root_only(runner.inputs.upload(np.array([r.root for r in rows], dtype=np.int64)))
         logits = penalised_drafts(drafting, logits)
         if self.sampling_aware_trees:
             logits = self.sampling_aware(drafting, logits)
         logits = grammar_first_level(drafting, logits)
         k = int(spec.topks.max())
+        shape, bp = None, b
+        if runner.fixed_shapes:  # one tree graph per bucket: a batch bucket of rows, a node bucket wide
+            n = runner.node_bucket(int(spec.sizes(int(spec.budgets.max()), k).max()))
+            if n == 1:
+                return TreeBatch.root_only(runner.inputs.upload(np.array([r.root for r in rows])))
+            bp = pick(runner.batch_buckets, b)
+            shape = TreeShape.bucket(n, runner.drafter.block_size - 1, vocab)
+            k = shape.k
+            spec = TreeSpec(*(np.pad(x, (0, bp - b)) for x in (spec.budgets, spec.topks, spec.depths)))
         vals, ids = draft_candidates(logits, k)  # [D, depth, K] each
-        if len(drafting) < b:  # rows that do not draft this round get candidates they never read
-            at = self.runner.inputs.upload(np.array([drafted.get(id(r), 0) for r in rows]))
-            vals, ids = vals[at], ids[at]
-        return build_tree_batch(vals, ids, roots, spec)
+        if len(drafting) < bp:  # rows that do not draft this round get candidates they never read
+            at = np.zeros(bp, dtype=np.int64)
+            at[:b] = [drafted.get(id(r), 0) for r in rows]
+            where = runner.inputs.upload(at)
+            vals, ids = vals[where], ids[where]
+        roots = np.zeros(bp, dtype=np.int64)
+        roots[:b] = [r.root for r in rows]
+        roots_t = runner.inputs.upload(roots)  # [Bp]
+        if shape is None:
+            return build_tree_batch(vals, ids, roots_t, spec)
+        return build_tree_batch(vals, ids, roots_t, spec, shape, runner.tree_graph, rows=b)
 
     def sampling_aware(self, drafting: list[Request], logits: torch.Tensor) -> torch.Tensor:
         """Sampled rows draft from the drafter's distribution under their own sampling transform (-inf =

@@ -17,7 +17,7 @@ from ddtree.engine.request import Request
 from ddtree.logprobs import TokenLogprobs, token_logprobs
 from ddtree.penalties import NodePenalties
 from ddtree.sampling import SamplingTensors, filtered_probs, inverse_cdf, sample_tree_batch
-from ddtree.tree import TreeBatch
+from ddtree.tree import PaddedTrees, TreeBatch
 from ddtree.verify import Accepted, accept_greedy, ancestor_mask, walk_greedy
 
 ARGMAX_CHUNK_ENTRIES = 1 << 24  # logits per LM-head call of the greedy acceptance (64 MB in float32)
@@ -119,6 +119,17 @@ class Verifier:
         all_starts = np.ones(bp, dtype=np.int64)  # a dummy row sees column 0 (a masked-out row is NaN)
         all_starts[:b] = starts
         starts_t = self.runner.inputs.upload(all_starts)  # [Bp]
+        tables = self.runner.block_tables(rows, bp)
+        if trees is not None and trees.padded is not None:  # fixed shapes: the bucket's graph
+            p = trees.padded
+            depth = self.runner.tree_depth(np_)
+            ids, positions, cols, anc = self.runner.inputs_graph(
+                p.tokens, p.depths, p.parents, p.sizes, starts_t, self.runner.cache.scratch, depth
+            )
+            tensors = self.runner.inputs.load(
+                True, ids=ids, positions=positions, cols=cols, starts=starts_t, anc=anc, tables=tables
+            )
+            return VerifyBatch(*tensors, span=span, rows=b, nodes=n)
         ids = torch.zeros(bp, np_, dtype=torch.int64, device=device)
         positions = starts_t[:, None].repeat(1, np_)  # [Bp, Np]; padding sits at the root's position
         cols = torch.full((bp, np_), self.runner.cache.scratch, dtype=torch.int64, device=device)
@@ -137,17 +148,25 @@ class Verifier:
             cols=cols,
             starts=starts_t,
             anc=anc,
-            tables=self.runner.block_tables(rows, bp),
+            tables=tables,
         )
         return VerifyBatch(*tensors, span=span, rows=b, nodes=n)
 
-    def accept(self, rows: list[Request], trees: TreeBatch, hidden: torch.Tensor) -> Accepted:
+    def accept(
+        self, rows: list[Request], trees: TreeBatch, hidden: torch.Tensor, padded: torch.Tensor | None = None
+    ) -> Accepted:
         """Every row's verdict on the device, from the final hidden states [B, N, H]: greedy rows by
         matching each node against its parent's target argmax, sampled rows by tree rejection sampling
         (each drawing its coins from its own generator, in the same order alone or in a batch).
 
         The LM head runs either over every node at once or, one depth at a time, over each row's current
-        node only (``visit_nodes``); both give the same verdicts."""
+        node only (``visit_nodes``); both give the same verdicts. With fixed shapes (``padded``: the
+        forward's whole output [Bp, Np, H]) a batch of greedy rows or of sampled rows is accepted by its
+        bucket's graph (``accept_padded``)."""
+        if padded is not None and trees.padded is not None:
+            accepted = self.accept_padded(rows, trees, padded)
+            if accepted is not None:
+                return accepted
         trees = trees.read_depth()  # the round's second host read, while the verify forward runs
         masks = tree_grammar_masks(rows, trees)  # [B, N, W] or None (no structured-output row)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
@@ -178,6 +197,61 @@ class Verifier:
             for name in ("path", "tokens", "lengths"):
                 getattr(out, name).index_copy_(0, at, getattr(part, name))
         return out
+
+    def accept_padded(self, rows: list[Request], trees: TreeBatch, hidden: torch.Tensor) -> Accepted | None:
+        """The verdicts of a fixed-shape round from its bucket's graph (hidden [Bp, Np, H]), with no host
+        read: the walk takes the bucket's depth bound in steps (``ModelRunner.tree_depth``; steps past a
+        tree's last level change nothing), and the choice between the head over every node and the walk
+        is fixed per bucket. None (the general path) for what a graph does not hold: a mix of greedy and
+        sampled rows, grammars, penalties, sampled distributions past ``SAMPLE_ENTRIES``."""
+        if any(r.grammar is not None or r.penalties is not None for r in rows):
+            return None
+        greedy = {r.params.greedy for r in rows}
+        if len(greedy) > 1:
+            return None
+        p, b, device = trees.padded, len(rows), hidden.device
+        bp, n = p.tokens.shape
+        head = self.runner.lm_head
+        if greedy == {True}:
+            return Accepted(*(x[:b] for x in self.greedy_padded(p, hidden, trees.branching)))
+        if bp * n * head.weight.shape[0] > SAMPLE_ENTRIES:
+            return None
+        params = [r.params for r in rows]
+        sampling = SamplingTensors.from_params(params + params[:1] * (bp - b), device)
+        probs = filtered_probs(head(hidden), sampling)  # [Bp, Np, V]
+        coins = torch.zeros(bp, n, dtype=torch.float32, device=device)  # [Bp, Np]
+        finals = torch.zeros(bp, dtype=torch.float32, device=device)
+        for k, r in enumerate(rows):  # each row's own generator, in the general path's order
+            m = int(trees.sizes[k])
+            coins[k, :m] = torch.rand(m, generator=r.generator, device=device)
+            finals[k] = torch.rand((), generator=r.generator, device=device)
+        return Accepted(*(x[:b] for x in self.sample_padded(p, probs, coins, finals, trees.branching)))
+
+    def greedy_padded(
+        self, trees: PaddedTrees, hidden: torch.Tensor, branching: int
+    ) -> tuple[torch.Tensor, ...]:
+        """Greedy verdicts of padded trees through their bucket's graph (``verify.greedy_verdicts``)."""
+        runner, (bp, n) = self.runner, trees.tokens.shape
+        depth, head, floor = runner.tree_depth(n), runner.lm_head, runner.head_floor_rows
+        wide = bp * n * head.weight.shape[0] > ARGMAX_CHUNK_ENTRIES
+        walk = (depth + 1) * max(bp, floor) < max(bp * n, floor) or wide
+        branching = max(1, min(n - 1, branching))  # what the children table holds: one graph a bucket
+        return runner.greedy_graph(hidden, head.weight, head.bias, trees, depth, branching, walk)
+
+    def sample_padded(
+        self,
+        trees: PaddedTrees,
+        probs: torch.Tensor,
+        coins: torch.Tensor,
+        finals: torch.Tensor,
+        branching: int,
+    ) -> tuple[torch.Tensor, ...]:
+        """Tree rejection sampling of padded trees through their bucket's graph (``sample_verdicts``)."""
+        n = trees.tokens.shape[1]
+        depth, branching = self.runner.tree_depth(n), max(1, min(n - 1, branching))
+        return self.runner.sample_graph(
+            trees, probs, coins, finals, depth, branching, self.threshold_single, self.threshold_acc
+        )
 
     def visit_nodes(self, trees: TreeBatch, per_node_entries: int = 0) -> bool:
         """Whether the LM head should follow the walk (depth + 1 calls over the G rows' current nodes)

@@ -1,8 +1,7 @@
-"""Eager torch ops a decode step runs outside the target's and the drafter's forwards (issue 34 item 4's
-starting point): on an accelerator each is a kernel launch, so this is what capturing the tree build, the
-walk and the acceptance would remove. Counted with a ``TorchDispatchMode`` (aten calls; views, which
-launch nothing, left out), the forwards themselves paused; per step, by budget, greedy and sampled, on the
-built-in pair.
+"""Eager torch ops a decode step runs outside its graphs (issue 34 item 4): on an accelerator each is a kernel
+launch. Counted with ``ddtree.bench.step_ops`` (aten calls, views left out; the forwards, and with
+``compile=True`` the round's graphs, count as one call each), per step, by budget, greedy and sampled, on
+the built-in pair: the eager engine beside a compiled one (one batch bucket, a node bucket per budget).
 
 ``python scripts/round_ops.py``
 """
@@ -10,64 +9,27 @@ built-in pair.
 from __future__ import annotations
 
 import argparse
-from collections import Counter
+import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddtree import Engine, SamplingParams
+from ddtree.bench.step_ops import count_steps
+
+BUDGETS = (1, 16, 64, 256)
 
 
-class OpCounter(TorchDispatchMode):
-    """Counts aten calls while ``active``, views (no kernel: ``func.is_view``) apart."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.active = True
-        self.ops: Counter[str] = Counter()
-        self.views = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.active:
-            if func.is_view:
-                self.views += 1
-            else:
-                self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def paused(counter: OpCounter, fn):
-    def run(*args, **kwargs):
-        counter.active = False
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            counter.active = True
-
-    return run
-
-
-def count(
-    engine: Engine, rows: int, params: SamplingParams, budget: int, steps: int
-) -> tuple[float, Counter]:
-    """Mean non-view ops per decode step over ``steps`` steps after a warm-up, and their counts."""
-    for i in range(rows):
-        engine.add_request(f"def f{i}(n):", params, method="ddtree", budget=budget)
-    for _ in range(3):  # prefill and a first round
+def count(engine: Engine, rows: int, params: SamplingParams, budget: int, steps: int) -> tuple[float, float]:
+    """Eager ops and graph calls per decode step over ``steps`` steps after the prefills and a round."""
+    ids = [engine.add_request(f"def f{i}(n):", params, method="ddtree", budget=budget) for i in range(rows)]
+    for _ in range(3):
         engine.step()
-    counter = OpCounter()
-    runner = engine.runner
-    forwards = runner.verify_forward, runner.draft_forward
-    runner.verify_forward, runner.draft_forward = (paused(counter, f) for f in forwards)
-    try:
-        with counter:
-            for _ in range(steps):
-                engine.step()
-    finally:
-        runner.verify_forward, runner.draft_forward = forwards
+    ops, calls, _ = count_steps(engine, steps)
+    for i in ids:
+        engine.abort(i)
     while engine.has_unfinished_requests():
         engine.step()
-    return sum(counter.ops.values()) / steps, counter.ops
+    return ops, calls
 
 
 def main() -> None:
@@ -76,16 +38,24 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args()
     torch.set_num_threads(2)
-    engine = Engine.from_pretrained(max_num_seqs=16)
-    print("| budget | greedy ops / step | sampled ops / step | most frequent (greedy, per step) |")
-    print("|---|---|---|---|")
-    greedy_params = SamplingParams(max_new_tokens=200, ignore_eos=True)
-    sampled_params = SamplingParams(temperature=1.0, top_p=0.9, seed=0, max_new_tokens=200, ignore_eos=True)
-    for budget in (1, 16, 64, 256):
-        greedy, ops = count(engine, args.rows, greedy_params, budget, args.steps)
-        sampled, _ = count(engine, args.rows, sampled_params, budget, args.steps)
-        top = ", ".join(f"{name} {n / args.steps:.0f}" for name, n in ops.most_common(4))
-        print(f"| {budget} | {greedy:.0f} | {sampled:.0f} | {top} |")
+    eager = Engine.from_pretrained(max_num_seqs=args.rows)
+    t = time.perf_counter()
+    compiled = Engine(
+        eager.target, eager.drafter, eager.tokenizer, max_num_seqs=args.rows, compile=True,
+        batch_buckets=[args.rows], node_buckets=[b + 1 for b in BUDGETS],
+    )  # fmt: skip
+    print(f"compiled and warmed up in {time.perf_counter() - t:.0f} s\n")
+    print("| budget | greedy: eager ops / step | compiled: ops + graph calls | sampled: eager | compiled |")
+    print("|---|---|---|---|---|")
+    greedy = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, seed=0, max_new_tokens=200, ignore_eos=True)
+    for budget in BUDGETS:
+        cells = []
+        for params in (greedy, sampled):
+            plain, _ = count(eager, args.rows, params, budget, args.steps)
+            ops, calls = count(compiled, args.rows, params, budget, args.steps)
+            cells += [f"{plain:.0f}", f"{ops:.0f} + {calls:.0f}"]
+        print(f"| {budget} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

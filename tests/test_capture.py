@@ -21,6 +21,7 @@ from torch._dynamo.utils import counters
 
 from ddtree import DDTreeError
 from ddtree.attention import PagedBlockMask, attend
+from ddtree.bench.step_ops import OpCounter, count_steps
 from ddtree.budget import CostModel, LinearCost
 from ddtree.capture import batch_ladder, node_ladder, pick, tree_mask
 from ddtree.engine import Engine
@@ -190,6 +191,40 @@ def test_compiled_rounds_never_recompile_and_match_eager(eager: Engine, compiled
     assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled after the warm-up
     assert sum(counters["graph_break"].values()) == 0
     assert got == run(eager, specs)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_compiled_decode_step_makes_the_same_few_eager_calls_whatever_the_budget(
+    eager: Engine, compiled: Engine, sampled: bool
+):
+    """With compile=True the tree, the verify inputs and the acceptance are graphs too: a decode step of two
+    rows calls its five graphs once each and makes the same few eager ops beside them at budgets 4, 16
+    and 256 (one per node bucket), where the eager engine's step grows with the budget."""
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    if sampled:
+        params = SamplingParams(temperature=1.0, top_p=0.9, seed=0, max_new_tokens=60, ignore_eos=True)
+    accept = "sample_graph" if sampled else "greedy_graph"
+
+    def ops_per_step(engine: Engine, budget: int) -> tuple[float, OpCounter]:
+        ids = [engine.add_request(p, params, budget=budget) for p in PROMPTS[:2]]
+        for _ in range(3):  # the prefills and a first round
+            engine.step()
+        ops, _, counter = count_steps(engine, 3)
+        for i in ids:
+            engine.abort(i)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return ops, counter
+
+    counts = {}
+    for budget in (4, 16, 256):
+        counts[budget], counter = ops_per_step(compiled, budget)
+        graphs = ("draft_forward", "tree_graph", "inputs_graph", "verify_forward", accept)
+        assert counter.calls == dict.fromkeys(graphs, 3)
+    bound = 200 if sampled else 100  # two rows' slots, uploads, candidates, sampling filters, the commit
+    assert max(counts.values()) <= bound and max(counts.values()) - min(counts.values()) <= 0.15 * bound
+    eager_ops, _ = ops_per_step(eager, 256)
+    assert eager_ops > 4 * counts[256]
 
 
 def test_compiled_rounds_after_prefix_cache_hits_match_a_cold_eager_engine(eager: Engine, compiled: Engine):

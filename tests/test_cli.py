@@ -313,9 +313,10 @@ def test_prompt_from_stdin_or_a_file_matches_the_argument(model_dirs, tmp_path):
     assert_one_line_error(cli("generate", "--prompt-file", tmp_path / "none.txt", *flags), "cannot read")
 
 
-def test_a_hub_id_as_target_gets_a_download_hint(tmp_path):
+def test_a_hub_id_as_target_gets_a_download_hint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no such directory here
     for command in (["generate", "def"], ["serve", "--port", "0"]):
-        run = ddtree(*command, "--target", "Qwen/Qwen3-0.6B", "--method", "ar", cwd=tmp_path)
+        run = cli(*command, "--target", "Qwen/Qwen3-0.6B", "--method", "ar")
         assert_one_line_error(run, "Qwen/Qwen3-0.6B does not exist", "hf download Qwen/Qwen3-0.6B")
 
 

@@ -191,16 +191,31 @@ def test_one_round_of_sixteen_rows_reads_the_host_at_most_twice(engine, kind):
     assert 1 <= len(calls) <= 2, "\n".join(calls)  # at least the verdicts: the counter sees reads
 
 
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_a_fixed_shape_round_reads_only_its_verdicts(kind):
+    """With fixed shapes the acceptance takes the node bucket's depth bound in steps instead of reading the
+    trees' depth: a round of greedy rows, or of sampled rows, makes one host read."""
+    target = tiny_target()
+    engine = Engine(
+        target.to(DEVICE), tiny_drafter(target).to(DEVICE), max_num_seqs=16, budget=16, fixed_shapes=True
+    )
+    params = (
+        [SamplingParams(max_new_tokens=64)] * 16 if kind == "greedy" else [SAMPLED[i % 4] for i in range(16)]
+    )
+    calls = reads_in_one_round(engine, params, ["ddtree"] * 12 + ["dflash", "dflash", "ar", "ar"])
+    assert len(calls) == 1 and "engine/verifier.py" in calls[0], "\n".join(calls)  # the verdicts
+
+
 def test_the_counter_catches_an_inserted_read_and_an_inserted_blocking_upload(engine, monkeypatch):
     """The bound above is only as good as the counter: a stray ``.item()`` and a ``torch.tensor(...,
     device=)`` slipped into the round are each counted, where they were made."""
     accept = Verifier.accept
 
-    def sloppy(self, rows, trees, hidden):
+    def sloppy(self, rows, trees, hidden, padded=None):
         torch.tensor([len(rows)], device=hidden.device)  # Python data onto the device: blocks
         torch.from_numpy(trees.sizes).to(hidden.device)  # pageable, blocking
         trees.tokens.sum().item()  # a read
-        return accept(self, rows, trees, hidden)
+        return accept(self, rows, trees, hidden, padded)
 
     monkeypatch.setattr(Verifier, "accept", sloppy)
     calls = reads_in_one_round(engine, [SamplingParams(max_new_tokens=64)] * 16, ["ddtree"] * 16)

@@ -147,6 +147,12 @@ def upload(array: np.ndarray | Sequence[int], device: torch.device) -> torch.Ten
 
 _compiled_shapes = 0  # shapes compile_forward has been asked for in this process, every engine's
 
+# The round's graphs beside the forwards (tree, verify inputs, acceptance) are compiled on accelerators,
+# where each of their ~600 small ops is a launch. On a CPU they run as the same fixed-shape functions,
+# eagerly: compiled they measured no faster there (docs/benchmarks.md) and cost ~75 s of compile per
+# bucket. Tests turn this on to hold the graphs to one graph per bucket, no break and no recompile.
+COMPILE_ROUND_ON_CPU = False
+
 
 def compile_forward(
     fn: Callable, device: torch.device, num_shapes: int, cuda_graphs: bool = True

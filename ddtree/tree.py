@@ -211,7 +211,8 @@ class TreeShape:
 
     @classmethod
     def bucket(cls, nodes: int, depths: int, vocab: int) -> TreeShape:
-        return cls(width=nodes - 1, k=min(nodes - 1, vocab), depths=depths, nodes=nodes)
+        # a tree of ``nodes`` nodes is at most nodes - 1 deep
+        return cls(width=nodes - 1, k=min(nodes - 1, vocab), depths=min(depths, nodes - 1), nodes=nodes)
 
 
 def build_tree_batch(

@@ -2,7 +2,7 @@
 (and a host-side dispatch), so this is the launch count that capturing a round removes or leaves.
 
 A ``TorchDispatchMode`` counts the aten calls a step makes (views, which launch nothing, left out). The two
-forwards, and with ``compile=True`` the round's graphs (tree, verify inputs, acceptance), count as one call
+forwards, and the round's graphs (tree, verify inputs, acceptance) where they are compiled, count as one call
 each: they run with the counter popped, so a compiled function still runs compiled.
 """
 
@@ -46,7 +46,7 @@ def count_steps(engine, steps: int) -> tuple[float, float, OpCounter]:
     graphs per step, and the counter. The round's graphs count apart only when compiled (uncompiled they
     are the eager ops being measured)."""
     runner = engine.runner
-    names = FORWARDS + (ROUND_GRAPHS if runner.compiled else ())
+    names = FORWARDS + (ROUND_GRAPHS if runner.round_compiled else ())
     saved = {name: getattr(runner, name) for name in names}
     counter = OpCounter()
     for name, fn in saved.items():

@@ -316,7 +316,7 @@ class Engine:
                     batch = self.verifier.inputs([], None, shape=(b, n, span))
                     for _ in range(replays):
                         hidden, _ = runner.verify(*batch.forward_args(True))
-                    if span == runner.span_buckets[0] and self.drafter is not None:
+                    if span == runner.span_buckets[0] and runner.round_compiled and self.drafter is not None:
                         self._warm_round_graphs(hidden)
                 if self.drafter is not None:
                     bs, tables = self.drafter.block_size, runner.block_tables([], b)
@@ -336,7 +336,8 @@ class Engine:
         sizes = torch.zeros(b, dtype=torch.int64, device=device)
         if n > 1:
             shape = TreeShape.bucket(n, self.drafter.block_size - 1, vocab)
-            vals, ids = draft_candidates(torch.zeros(b, shape.depths, vocab, device=device), shape.k)
+            logits = torch.zeros(b, self.drafter.block_size - 1, vocab, device=device)  # every position
+            vals, ids = draft_candidates(logits, shape.k)
             allowed = torch.zeros(b, shape.depths, dtype=torch.int64, device=device)
             roots = torch.zeros_like(sizes)  # a distinct tensor: a graph is compiled for its inputs' aliasing
             trees = runner.tree_graph(vals, ids, roots, allowed, sizes, beam_plan(shape, device))[:3]

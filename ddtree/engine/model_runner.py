@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from ddtree import capture
 from ddtree.attention import PagedBlockMask
 from ddtree.capture import (
     StaticInputs,
@@ -200,6 +201,7 @@ class ModelRunner:
         self.kv_cache_bytes = sum(c.nbytes() for c in caches)
         self.fixed_shapes = False
         self.compiled = False
+        self.round_compiled = False  # the round graphs beside the forwards (capture.COMPILE_ROUND_ON_CPU)
         self.max_drafted = self.max_model_len  # drafted nodes a tree may hold (with fixed shapes: a bucket)
         self.inputs = StaticInputs(self.device, static=False)
         self.verify_forward = self.verify_forward_eager
@@ -294,11 +296,13 @@ class ModelRunner:
                 mark_static([buf for c in caches for buf in (*c.keys, *c.values)])
             self.verify_forward = compile_forward(self.verify_forward_eager, self.device, shapes)
             self.draft_forward = compile_forward(self.draft_forward_eager, self.device, shapes)
-            rounds = len(self.batch_buckets) * len(self.node_buckets)
-            self.tree_graph, self.inputs_graph, self.greedy_graph, self.sample_graph = (
-                compile_forward(fn, self.device, rounds, cuda_graphs=False)
-                for fn in (beam_tree, tree_inputs, greedy_verdicts, sample_verdicts)
-            )
+            if self.device.type != "cpu" or capture.COMPILE_ROUND_ON_CPU:
+                rounds = len(self.batch_buckets) * len(self.node_buckets)
+                self.tree_graph, self.inputs_graph, self.greedy_graph, self.sample_graph = (
+                    compile_forward(fn, self.device, rounds, cuda_graphs=False)
+                    for fn in (beam_tree, tree_inputs, greedy_verdicts, sample_verdicts)
+                )
+                self.round_compiled = True
 
     def node_bucket(self, nodes: int) -> int:
         """Tree columns for trees of at most ``nodes`` nodes: that many, or with fixed shapes its bucket."""

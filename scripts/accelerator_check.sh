@@ -8,7 +8,9 @@
 # each under its own `timeout`, the seven summing to 480 s (the whole check ends in under 8 minutes on one
 # H200, whatever hangs; a cut step keeps what it wrote, and the first lent run sets real bounds):
 #   1. the lossless tests on CUDA (DDTREE_TEST_DEVICE=cuda): padding changes no output, 50+ compiled
-#      rounds never recompile and equal eager (greedy and seeded sampling), the G-test / chi-square on
+#      rounds never recompile and equal eager (greedy and seeded sampling), the round's graphs (tree,
+#      inputs, acceptance) at node buckets 17 and 257 with the same eager ops a step at every budget,
+#      the G-test / chi-square on
 #      samples drawn through CUDA graphs, and at most two host reads in a round of 16 rows;
 #   2. the syncs CUDA reports in one round of 16 rows (torch.cuda.set_sync_debug_mode), greedy / sampled /
 #      mixed (syncs.json);
@@ -36,13 +38,13 @@ fi
 PYTHON="${PYTHON:-python}"
 OUT_DIR="${OUT:-runs/accelerator}"
 export PYTHONPATH="${PYTHONPATH:-.}"
-TEST_TIMEOUT="${TEST_TIMEOUT:-120}"   # seconds for step 1
-SYNC_TIMEOUT="${SYNC_TIMEOUT:-40}"    # seconds for step 2
-BENCH_TIMEOUT="${BENCH_TIMEOUT:-100}" # seconds for step 3
-COST_TIMEOUT="${COST_TIMEOUT:-60}"    # seconds for step 4
-FLEX_TIMEOUT="${FLEX_TIMEOUT:-80}"   # seconds for step 5 (each case is a line: a cut step keeps its cases)
-SDPA_TIMEOUT="${SDPA_TIMEOUT:-30}"    # seconds for step 6
-MEMORY_TIMEOUT="${MEMORY_TIMEOUT:-50}" # seconds for step 7
+TEST_TIMEOUT="${TEST_TIMEOUT:-150}"   # seconds for step 1 (the round graphs compile too)
+SYNC_TIMEOUT="${SYNC_TIMEOUT:-30}"    # seconds for step 2
+BENCH_TIMEOUT="${BENCH_TIMEOUT:-120}" # seconds for step 3
+COST_TIMEOUT="${COST_TIMEOUT:-50}"    # seconds for step 4
+FLEX_TIMEOUT="${FLEX_TIMEOUT:-65}"   # seconds for step 5 (each case is a line: a cut step keeps its cases)
+SDPA_TIMEOUT="${SDPA_TIMEOUT:-25}"    # seconds for step 6
+MEMORY_TIMEOUT="${MEMORY_TIMEOUT:-40}" # seconds for step 7
 # Node buckets: exactly the tree sizes the bench asks for (ar 1, budget B: B + 1, dflash: 17 with the
 # built-in block of 16), so the compiled engine captures 5 verify shapes instead of the 10 of the ladder.
 NODE_BUCKETS="${NODE_BUCKETS:-1,9,17,65,257}"

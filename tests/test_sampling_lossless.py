@@ -211,8 +211,8 @@ def draw(engine: Engine, method: str, params: SamplingParams, samples: int, seed
     counted: dict[str, list[int]] = {}
     accept = Verifier.accept
 
-    def spy(self, rows, trees, hidden):
-        accepted = accept(self, rows, trees, hidden)
+    def spy(self, rows, trees, hidden, padded=None):
+        accepted = accept(self, rows, trees, hidden, padded)
         watched = [i for i, r in enumerate(rows) if not r.params.greedy and r.request_id in counted]
         if not watched:
             return accepted

@@ -244,6 +244,15 @@ def build_tree_batch(
         if int(sizes.max()) == 1:
             return TreeBatch.root_only(roots)
         shape = TreeShape(width=width, k=k, depths=depth_max, nodes=int(sizes.max()))
+    if (
+        k != shape.k
+        or vals.shape[1] < shape.depths
+        or int(sizes.max()) > shape.nodes
+        or shape.width < shape.nodes - 1
+    ):
+        raise ValueError(
+            f"candidates {tuple(vals.shape)} or trees of {int(sizes.max())} nodes do not fit {shape}"
+        )
     # Branching allowed at each depth ([B, L]: a row's own cap, 0 past its depth), prepared on the host.
     allowed = np.where(np.arange(shape.depths)[None] < spec.depths[:, None], spec.topks[:, None], 0)
     plan = beam_plan(shape, device)
@@ -320,27 +329,27 @@ def beam_tree(
         levels.append((cost, valid, torch.take(p_d, order), ids[:, d].gather(1, rank)))
     costs = torch.cat([lv[0] for lv in levels], dim=1)  # [B, T] depth-major, each depth in pop order
     alive = torch.cat([lv[1] for lv in levels], dim=1)
-    order = torch.where(alive, costs, nan).sort(dim=1, stable=True).indices[:, : n - 1]  # [B, n - 1]
-    if order.shape[1] < n - 1:  # a bucket wider than the beam's entries (a tiny vocabulary): padding
-        order = torch.nn.functional.pad(order, (0, n - 1 - order.shape[1]))
+    order = torch.where(alive, costs, nan).sort(dim=1, stable=True).indices[:, : n - 1]  # [B, m]
+    m = order.shape[1]  # n - 1, or fewer where the beam holds fewer entries (a tiny vocabulary)
     # Global node index of every level entry (1 + its place in pop order; 0 if not in the tree).
     node_of = torch.zeros_like(costs, dtype=torch.int64)
-    node_of.scatter_(1, order, torch.arange(1, n, device=device).expand(b, -1))
+    node_of.scatter_(1, order, torch.arange(1, m + 1, device=device).expand(b, -1))
     widths = [lv[0].shape[1] for lv in levels]
     parents, start = [torch.zeros_like(levels[0][2])], 0  # depth 1's parent is the root
     for (_, _, slot, _), width_prev in zip(levels[1:], widths, strict=False):
         parents.append(node_of[:, start : start + width_prev].gather(1, slot))
         start += width_prev
-    padding = torch.arange(1, n, device=device)[None] >= sizes[:, None]
+    padding = torch.arange(1, m + 1, device=device)[None] >= sizes[:, None]
     node_tokens = torch.cat([lv[3] for lv in levels], dim=1).gather(1, order).masked_fill(padding, 0)
     node_depths = torch.take(plan.depth_of, order).masked_fill(padding, 0)
     node_parents = torch.cat(parents, dim=1).gather(1, order).masked_fill(padding, 0)
     node_logw = (-costs.gather(1, order)).float().masked_fill(padding, 0.0)
+    empty = torch.zeros(b, n - 1 - m, dtype=torch.int64, device=device)  # columns no entry reaches
     return (
-        torch.cat((roots[:, None].to(torch.int64), node_tokens), dim=1),
-        torch.cat((root, node_depths), dim=1),
-        torch.cat((root - 1, node_parents), dim=1),
-        torch.cat((root.float(), node_logw), dim=1),
+        torch.cat((roots[:, None].to(torch.int64), node_tokens, empty), dim=1),
+        torch.cat((root, node_depths, empty), dim=1),
+        torch.cat((root - 1, node_parents, empty), dim=1),
+        torch.cat((root.float(), node_logw, empty.float()), dim=1),
     )
 
 

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from ddtree.capture import node_ladder, pick
 from ddtree.errors import DDTreeError
-from ddtree.tree import TreeSpec, build_tree_batch, draft_candidates, top_k_rows
+from ddtree.tree import TreeShape, TreeSpec, build_tree_batch, draft_candidates, top_k_rows
 from tests.oracles import DraftTree, best_first_tree, build_ddtree_tree, compile_ddtree_retrieve, tree_row
 
 CASES = [
@@ -286,3 +287,34 @@ def test_device_tree_of_a_large_vocabulary_equals_the_heap():
         want = build_ddtree_tree(logits[b], int(spec.budgets[b]), topk=int(spec.topks[b]), root_token=b + 1)
         assert torch.equal(tree_row(batch, b).tokens, want.tokens)
         assert torch.equal(tree_row(batch, b).parents, want.parents)
+
+
+EXTRA = 2  # a bucket's dummy rows
+
+
+def test_a_bucket_wide_beam_builds_the_same_trees_and_dummy_rows_have_no_node():
+    """With fixed shapes the beam is as wide, branching and deep as the node bucket allows whatever the
+    rows ask (one graph per bucket): the trees are the ones a beam sized for the batch builds, padded with
+    empty nodes, and the bucket's dummy rows hold no node at all."""
+    for seed in range(300):
+        logits, spec, roots = _random_batch(seed)
+        b, depth, vocab = logits.shape
+        k = int(spec.topks[spec.budgets > 0].max(initial=1))
+        if not spec.budgets.any():
+            continue
+        n = pick(node_ladder(512), int(spec.sizes(int(spec.budgets.max()), k).max()))
+        if n == 1:
+            continue
+        shape = TreeShape.bucket(n, depth, vocab)
+        vals, ids = draft_candidates(logits, shape.k)  # [B, L, K]: the natural beam reads the first k
+        natural = build_tree_batch(vals[..., :k].contiguous(), ids[..., :k].contiguous(), roots, spec)
+        padded_spec = TreeSpec(*(np.pad(x, (0, EXTRA)) for x in (spec.budgets, spec.topks, spec.depths)))
+        pad = lambda x: torch.cat((x, torch.zeros(EXTRA, *x.shape[1:], dtype=x.dtype)))  # noqa: E731
+        bucket = build_tree_batch(pad(vals), pad(ids), pad(roots), padded_spec, shape, rows=b)
+        assert np.array_equal(bucket.sizes, natural.sizes), seed
+        m = natural.tokens.shape[1]
+        for field in ("tokens", "depths", "parents", "logw"):
+            got, want = getattr(bucket, field), getattr(natural, field)
+            assert torch.equal(got[:, :m], want), (seed, field)
+            assert not got[:, m:].any(), (seed, field)  # columns past the widest tree: padding
+        assert bucket.padded.tokens.shape == (b + EXTRA, n) and not bucket.padded.sizes[b:].any()

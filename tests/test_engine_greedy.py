@@ -45,11 +45,12 @@ def test_greedy_matches_plain_decoding(pair):
     configs += [("ddtree", b, k) for b in (1, 4, 16, 64, 256) for k in (1, 4, None)]
     params = SamplingParams(max_new_tokens=NEW)
     accepted_more_than_one = 0
-    for prompt in PROMPTS:
-        reference = hf_greedy(target, prompt, NEW)
-        for method, budget, topk in configs:
-            engine = Engine(target, drafter, method=method, budget=budget, topk=topk)
-            result = engine.generate(prompt, params)
+    references = [hf_greedy(target, prompt, NEW) for prompt in PROMPTS]
+    for method, budget, topk in configs:
+        engine = Engine(target, drafter, method=method, budget=budget, topk=topk, max_num_seqs=len(PROMPTS))
+        # the prompts as one batch (a row's output is its solo run's: tests/test_engine_batch.py)
+        results = engine.generate(PROMPTS, params)
+        for prompt, reference, result in zip(PROMPTS, references, results, strict=True):
             assert result.token_ids == reference, (method, budget, topk, prompt)
             assert result.finish_reason == "length"
             accepted_more_than_one += sum(n > 1 for n in result.stats.acceptance_lengths)

@@ -91,10 +91,11 @@ CASES = {
 def test_greedy_ddtree_and_dflash_emit_penalised_plain_decodings_tokens_at_every_budget(engine, case):
     params = CASES[case]
     reference = [plain_penalised_greedy(engine, p, params) for p in PROMPTS]
-    plain = [engine.generate(p, SamplingParams(max_new_tokens=NEW), method="ar").token_ids for p in PROMPTS]
+    plain = [r.token_ids for r in engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW), method="ar")]
     assert reference != plain  # the penalty changes what plain decoding says
     for method, budget in (("ar", None), ("dflash", None), ("ddtree", 1), ("ddtree", 16), ("ddtree", 64)):
-        got = [engine.generate(p, params, method=method, budget=budget).token_ids for p in PROMPTS]
+        # the prompts as one batch (a row's output is its solo run's: tested below and in test_engine_batch)
+        got = [r.token_ids for r in engine.generate(PROMPTS, params, method=method, budget=budget)]
         assert got == reference, (method, budget)
 
 

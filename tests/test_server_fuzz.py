@@ -220,13 +220,13 @@ def check(response, request_body=None) -> None:
         )
 
 
-@fuzz(100)
+@fuzz(60)
 @given(request_body=VALID_COMPLETIONS)
 def test_fuzz_plausible_completions(http, request_body):
     check(post(http, "/v1/completions", request_body), request_body)
 
 
-@fuzz(80)
+@fuzz(50)
 @given(request_body=VALID_CHATS)
 def test_fuzz_plausible_chat_completions(http, request_body):
     check(post(http, "/v1/chat/completions", request_body), request_body)

@@ -209,12 +209,10 @@ def sample_verdicts(
     """``sample_tree_batch`` over padded trees (``probs`` [B, N, V] every node's target distribution,
     ``depth`` a bound: steps past a row's last node change nothing): path, tokens [B, depth + 1] and
     lengths [B]; one graph per bucket when compiled."""
-    b, n = trees.tokens.shape
-    valid = torch.arange(n, device=probs.device)[None] < trees.sizes[:, None]
-    rows = torch.arange(b, device=probs.device)
+    rows = torch.arange(trees.tokens.shape[0], device=probs.device)
     full = probs.float()
     accepted = _walk_tree(
-        children_table(trees.parents, valid, branching), trees.tokens, lambda cur: full[rows, cur],
+        children_table(trees.parents, trees.valid, branching), trees.tokens, lambda cur: full[rows, cur],
         coins.float(), final_coins.float(), depth + 1, threshold_single, threshold_acc,
     )  # fmt: skip
     return accepted.path, accepted.tokens, accepted.lengths

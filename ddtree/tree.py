@@ -85,6 +85,16 @@ class PaddedTrees:
     parents: torch.Tensor  # [Bp, Np] int64
     sizes: torch.Tensor  # [Bp] int64 on the device
 
+    @property
+    def valid(self) -> torch.Tensor:
+        """[Bp, Np] bool: real nodes."""
+        return real_nodes(self.sizes, self.tokens.shape[1])
+
+
+def real_nodes(sizes: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, N] bool: node j of row b is real iff j < sizes[b] (sizes [B] on the device)."""
+    return torch.arange(n, device=sizes.device)[None] < sizes[:, None]
+
 
 @dataclass
 class TreeBatch:
@@ -104,8 +114,7 @@ class TreeBatch:
     @functools.cached_property
     def valid(self) -> torch.Tensor:
         """[B, N] bool: real nodes (computed once; every stage of the round reads it)."""
-        n = self.tokens.shape[1]
-        return torch.arange(n, device=self.tokens.device)[None] < self.device_sizes()[:, None]
+        return real_nodes(self.device_sizes(), self.tokens.shape[1])
 
     def device_sizes(self) -> torch.Tensor:
         """[B] ``sizes`` on the device (uploaded once)."""
@@ -150,7 +159,7 @@ class TreeBatch:
         """The same trees cut to ``sizes`` nodes (prefixes of pop order are trees), ``nodes`` columns wide
         (by default the largest tree; with fixed shapes, its node bucket)."""
         n = nodes or int(sizes.max(initial=1))
-        padded = None
+        padded, on_device = None, None
         if self.padded is not None:
             full = np.zeros(self.padded.sizes.shape[0], dtype=np.int64)  # dummy rows: no node
             full[: len(sizes)] = sizes
@@ -158,9 +167,9 @@ class TreeBatch:
             # contiguous: a graph is compiled for its inputs' strides too
             cols = (x[:, :n].contiguous() for x in (p.tokens, p.depths, p.parents))
             padded = PaddedTrees(*cols, upload(full, p.sizes.device))
-        return TreeBatch(
-            *(x[:, :n] for x in self.tensors), sizes, min(self.depth, n - 1), self.branching, None, padded
-        )
+            on_device = padded.sizes[: len(sizes)]
+        cut = (x[:, :n] for x in self.tensors)
+        return TreeBatch(*cut, sizes, min(self.depth, n - 1), self.branching, on_device, padded)
 
 
 def children_table(parents: torch.Tensor, valid: torch.Tensor, branching: int) -> torch.Tensor:
@@ -239,10 +248,10 @@ def build_tree_batch(
     sizes = spec.sizes(width, k) if width else np.ones(b, dtype=np.int64)
     if rows is not None:
         sizes[rows:] = 0
-    depth_max = int(spec.depths[spec.budgets > 0].max(initial=0)) if width else 0
     if shape is None:
         if int(sizes.max()) == 1:
             return TreeBatch.root_only(roots)
+        depth_max = int(spec.depths[spec.budgets > 0].max(initial=0))
         shape = TreeShape(width=width, k=k, depths=depth_max, nodes=int(sizes.max()))
     if (
         k != shape.k
@@ -312,9 +321,6 @@ def beam_tree(
     branching per depth (0 past its depth), ``sizes`` [B] its nodes, root included.
     """
     b, device, n, width = vals.shape[0], vals.device, plan.shape.nodes, plan.shape.width
-    root = torch.zeros(b, 1, dtype=torch.int64, device=device)
-    if n == 1:
-        return roots[:, None].to(torch.int64), root, root - 1, root.float()
     vals64 = vals.double()
     cost = torch.zeros(b, 1, dtype=torch.float64, device=device)  # -score; the root's is 0
     valid = torch.ones(b, 1, dtype=torch.bool, device=device)
@@ -344,6 +350,7 @@ def beam_tree(
     node_depths = torch.take(plan.depth_of, order).masked_fill(padding, 0)
     node_parents = torch.cat(parents, dim=1).gather(1, order).masked_fill(padding, 0)
     node_logw = (-costs.gather(1, order)).float().masked_fill(padding, 0.0)
+    root = torch.zeros(b, 1, dtype=torch.int64, device=device)
     empty = torch.zeros(b, n - 1 - m, dtype=torch.int64, device=device)  # columns no entry reaches
     return (
         torch.cat((roots[:, None].to(torch.int64), node_tokens, empty), dim=1),

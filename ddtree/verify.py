@@ -47,25 +47,18 @@ def ancestors(parents: torch.Tensor, valid: torch.Tensor, depth: int) -> torch.T
 
 
 def tree_inputs(
-    tokens: torch.Tensor,
-    depths: torch.Tensor,
-    parents: torch.Tensor,
-    sizes: torch.Tensor,
-    starts: torch.Tensor,
-    scratch: int,
-    depth: int,
+    trees: PaddedTrees, starts: torch.Tensor, scratch: int, depth: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The verify forward's ids, positions, columns [B, N] and ancestor block [B, N, N] of padded trees
-    (``PaddedTrees``: ``sizes`` [B], 0 for a dummy row; ``starts`` [B] committed columns): node j at
-    position start + depth_j, column start + j; padding nodes at the root's position, in the scratch
-    column, seeing committed columns only. Fixed shapes: one graph per bucket when compiled."""
-    n = tokens.shape[1]
-    nodes = torch.arange(n, device=tokens.device)
-    valid = nodes[None] < sizes[:, None]  # [B, N]
-    ids = torch.where(valid, tokens, 0)
-    positions = starts[:, None] + torch.where(valid, depths, 0)
+    (``starts`` [B] committed columns): node j at position start + depth_j, column start + j; padding
+    nodes at the root's position, in the scratch column, seeing committed columns only. Fixed shapes:
+    one graph per bucket when compiled."""
+    valid = trees.valid  # [B, N]
+    nodes = torch.arange(valid.shape[1], device=valid.device)
+    ids = torch.where(valid, trees.tokens, 0)
+    positions = starts[:, None] + torch.where(valid, trees.depths, 0)
     cols = torch.where(valid, starts[:, None] + nodes, scratch)
-    return ids, positions, cols, ancestors(parents, valid, depth)
+    return ids, positions, cols, ancestors(trees.parents, valid, depth)
 
 
 def accept_greedy(trees: TreeBatch, argmax: torch.Tensor) -> Accepted:
@@ -151,7 +144,7 @@ def greedy_verdicts(
     (``weight`` [V, H], ``bias``): the head over every node at once, or (``walk``) over each row's current
     node one depth at a time. Path, tokens [B, depth + 1], lengths [B]; one graph per bucket when
     compiled (``depth``, ``branching`` and ``walk`` are fixed per bucket)."""
-    valid = torch.arange(trees.tokens.shape[1], device=hidden.device)[None] < trees.sizes[:, None]
+    valid = trees.valid
     if walk:
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         children = children_table(trees.parents, valid, branching)

@@ -344,7 +344,7 @@ class Engine:
         else:  # a tree cut to its root (budget "auto" choosing plain rounds)
             trees = [torch.zeros(b, 1, dtype=torch.int64, device=device) for _ in range(3)]
         padded = PaddedTrees(*trees, sizes)
-        runner.inputs_graph(*trees, sizes, sizes + 1, runner.cache.scratch, runner.tree_depth(n))
+        runner.inputs_graph(padded, sizes + 1, runner.cache.scratch, runner.tree_depth(n))
         self.verifier.greedy_padded(padded, hidden, vocab)
         if b * n * vocab <= SAMPLE_ENTRIES:
             probs = torch.zeros(b, n, vocab, device=device)

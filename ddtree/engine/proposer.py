@@ -195,8 +195,9 @@ class Proposer:
                 k = budget if r.topk is None else r.topk
                 spec.budgets[i], spec.topks[i], spec.depths[i] = budget, min(k, budget, vocab), depth
         runner = self.runner
+        plain = lambda: TreeBatch.root_only(runner.inputs.upload(np.array([r.root for r in rows])))  # noqa: E731
         if logits is None or not spec.budgets.any():
-            return TreeBatch.root_only(runner.inputs.upload(np.array([r.root for r in rows], dtype=np.int64)))
+            return plain()
         logits = penalised_drafts(drafting, logits)
         if self.sampling_aware_trees:
             logits = self.sampling_aware(drafting, logits)
@@ -206,7 +207,7 @@ class Proposer:
         if runner.fixed_shapes:  # one tree graph per bucket: a batch bucket of rows, a node bucket wide
             n = runner.node_bucket(int(spec.sizes(int(spec.budgets.max()), k).max()))
             if n == 1:
-                return TreeBatch.root_only(runner.inputs.upload(np.array([r.root for r in rows])))
+                return plain()
             bp = pick(runner.batch_buckets, b)
             shape = TreeShape.bucket(n, runner.drafter.block_size - 1, vocab)
             k = shape.k

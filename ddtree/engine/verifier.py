@@ -121,11 +121,8 @@ class Verifier:
         starts_t = self.runner.inputs.upload(all_starts)  # [Bp]
         tables = self.runner.block_tables(rows, bp)
         if trees is not None and trees.padded is not None:  # fixed shapes: the bucket's graph
-            p = trees.padded
-            depth = self.runner.tree_depth(np_)
-            ids, positions, cols, anc = self.runner.inputs_graph(
-                p.tokens, p.depths, p.parents, p.sizes, starts_t, self.runner.cache.scratch, depth
-            )
+            scratch, depth = self.runner.cache.scratch, self.runner.tree_depth(np_)
+            ids, positions, cols, anc = self.runner.inputs_graph(trees.padded, starts_t, scratch, depth)
             tensors = self.runner.inputs.load(
                 True, ids=ids, positions=positions, cols=cols, starts=starts_t, anc=anc, tables=tables
             )
@@ -219,12 +216,7 @@ class Verifier:
         params = [r.params for r in rows]
         sampling = SamplingTensors.from_params(params + params[:1] * (bp - b), device)
         probs = filtered_probs(head(hidden), sampling)  # [Bp, Np, V]
-        coins = torch.zeros(bp, n, dtype=torch.float32, device=device)  # [Bp, Np]
-        finals = torch.zeros(bp, dtype=torch.float32, device=device)
-        for k, r in enumerate(rows):  # each row's own generator, in the general path's order
-            m = int(trees.sizes[k])
-            coins[k, :m] = torch.rand(m, generator=r.generator, device=device)
-            finals[k] = torch.rand((), generator=r.generator, device=device)
+        coins, finals = tree_coins(rows, trees.sizes, (bp, n), device)
         return Accepted(*(x[:b] for x in self.sample_padded(p, probs, coins, finals, trees.branching)))
 
     def greedy_padded(
@@ -308,15 +300,8 @@ class Verifier:
             logits = head(states)  # [S, N, V]
             flat = node.flat(logits.view(-1, logits.shape[-1]), 0)
             probs = filtered_probs(flat.view(logits.shape), sampling)  # [S, N, V]
-        coins = torch.zeros(trees.tokens.shape, dtype=torch.float32, device=device)  # [S, N]
-        finals = []
-        for k, i in enumerate(group):
-            m, generator = int(trees.sizes[k]), rows[i].generator
-            coins[k, :m] = torch.rand(m, generator=generator, device=device)
-            finals.append(torch.rand((), generator=generator, device=device))
-        return sample_tree_batch(
-            trees, probs, coins, torch.stack(finals), self.threshold_single, self.threshold_acc
-        )
+        coins, finals = tree_coins([rows[i] for i in group], trees.sizes, trees.tokens.shape, device)
+        return sample_tree_batch(trees, probs, coins, finals, self.threshold_single, self.threshold_acc)
 
     def verdicts(
         self,
@@ -350,6 +335,21 @@ class Verifier:
             )
             out.features.append(kept[i, :m] if r.drafts else None)  # [m, F * H]
         return out
+
+
+def tree_coins(
+    rows: list[Request], sizes: np.ndarray, shape: tuple[int, int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's coins for its tree's ``sizes[k]`` nodes, then its bonus coin, from its own generator (the
+    same draws alone, in a batch, padded or not): [R, N] and [R] float32 (``shape`` = R, N; rows past
+    ``rows`` and nodes past a tree: 0)."""
+    coins = torch.zeros(shape, dtype=torch.float32, device=device)
+    finals = torch.zeros(shape[0], dtype=torch.float32, device=device)
+    for k, r in enumerate(rows):
+        m = int(sizes[k])
+        coins[k, :m] = torch.rand(m, generator=r.generator, device=device)
+        finals[k] = torch.rand((), generator=r.generator, device=device)
+    return coins, finals
 
 
 def tree_grammar_masks(rows: list[Request], trees: TreeBatch) -> torch.Tensor | None:

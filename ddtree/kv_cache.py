@@ -12,8 +12,11 @@ which the allocator never hands out. Padding tokens write to the **scratch colum
 since it only ever holds zeros or real keys/values, ``0 x value`` stays finite.
 
 A forward reads each row's first ``span`` columns (a multiple of ``block_size``) by gathering its blocks;
-the mask hides every column the row must not see. The target and the drafter have a pool each, indexed by
-the same block tables: one allocation covers a request in both models.
+the mask hides every column the row must not see. Eagerly, the gathers land in two read buffers the pool
+keeps (keys, values), reused by every layer and every forward: a fresh multi-megabyte tensor per layer
+costs the CPU a page fault per 4 KiB on first touch, which measured as most of the gather's time. The
+target and the drafter have a pool each, indexed by the same block tables: one allocation covers a request
+in both models.
 """
 
 from __future__ import annotations
@@ -84,6 +87,19 @@ class PagedKVCache:
         shape = (num_blocks, block_size, *layout.token_shape)
         self.keys = [zeros(shape, dtype, device) for _ in range(num_layers)]  # MLA: the latents
         self.values = [zeros(shape, dtype, device) for _ in range(num_layers)] if layout.has_values else []
+        # Where eager reads gather to ([blocks read, block_size, *token_shape] each; keys, values), grown to
+        # the largest read so far. A layer's attention consumes its rows before the next layer gathers.
+        self.read_buffers = [torch.empty(0, block_size, *layout.token_shape, dtype=dtype, device=device)] * 2
+
+    def read_buffer(self, which: int, blocks: int) -> torch.Tensor:
+        """Read buffer ``which`` (0 keys / latents, 1 values) for ``blocks`` blocks, [blocks, block_size,
+        *token_shape]: a view of the kept buffer, grown (exactly: the step that grows it is the largest so
+        far, which the memory plan's profiling step measured) when too small."""
+        buf = self.read_buffers[which]
+        if buf.shape[0] < blocks:
+            buf = torch.empty(blocks, *buf.shape[1:], dtype=buf.dtype, device=buf.device)
+            self.read_buffers[which] = buf
+        return buf[:blocks]
 
     def bytes_per_token(self) -> int:
         """Bytes one token costs in this pool, all layers (MLA: layers x latent width x element size)."""
@@ -146,28 +162,32 @@ class CacheWrite:
         """Store GQA k/v [B, kv_heads, T, D]; return the rows' first ``span`` columns of keys/values
         [B, kv_heads, span, D], gathered from their blocks, or (span None) the whole pool as every row's
         [B, kv_heads, num_blocks * block_size, D] (a view: nothing is copied)."""
-        keys = self._store(self.cache.keys[layer], k.transpose(1, 2))  # [B, span, kv_heads, D]
-        values = self._store(self.cache.values[layer], v.transpose(1, 2))
+        keys = self._store(self.cache.keys[layer], k.transpose(1, 2), 0)  # [B, span, kv_heads, D]
+        values = self._store(self.cache.values[layer], v.transpose(1, 2), 1)
         return keys.transpose(1, 2), values.transpose(1, 2)
 
     def write_latent(self, layer: int, latent: torch.Tensor) -> torch.Tensor:
         """Store MLA latents [B, T, kv_lora_rank + rope]; return the rows' first ``span`` columns of them
         [B, span, kv_lora_rank + rope] (span None: the whole pool, a view, as ``write``)."""
-        return self._store(self.cache.keys[layer], latent)
+        return self._store(self.cache.keys[layer], latent, 0)
 
-    def _store(self, buf: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    def _store(self, buf: torch.Tensor, new: torch.Tensor, which: int) -> torch.Tensor:
         """Write ``new`` [B, T, *token_shape] at this forward's slots and read the rows back, [B, span,
-        *token_shape].
+        *token_shape] (eagerly into read buffer ``which``, valid until the next read into it).
 
         One indexed write into the whole pool per tensor: compiled, it stays in place (a write through a
-        view makes torch.compile copy what the view spans back, each layer).
+        view makes torch.compile copy what the view spans back, each layer). Compiled, the read is the
+        graph's own tensor (its memory planning reuses buffers; a kept buffer would be a mutated global).
         """
         b = self.tables.shape[0]
         flat = buf.view(-1, *buf.shape[2:])  # [num_blocks * block_size, *token_shape]
         flat[self.slots] = new.to(buf.dtype)
         if self.span is None:
             return flat[None].expand(b, *flat.shape)
-        rows = buf.index_select(0, self.read)  # [B * span / block_size, block_size, *token_shape]
+        if torch.compiler.is_compiling():
+            rows = buf.index_select(0, self.read)  # [B * span / block_size, block_size, *token_shape]
+        else:
+            rows = torch.index_select(buf, 0, self.read, out=self.cache.read_buffer(which, len(self.read)))
         return rows.view(b, self.span, *buf.shape[2:])
 
 

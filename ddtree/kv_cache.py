@@ -116,28 +116,21 @@ class PagedKVCache:
         return self.width * self.block_size
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return sum(t.numel() * t.element_size() for t in self.buffers)
 
     def at(self, tables: torch.Tensor, cols: torch.Tensor, span: int) -> CacheWrite:
         return CacheWrite(self, tables, cols, span)
 
-    def slots(self, tables: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """Flat pool slots [B, T] of columns ``cols`` [B, T] under block tables ``tables`` [B, width + 1]."""
-        bs = self.block_size
-        return tables.gather(1, torch.div(cols, bs, rounding_mode="floor")) * bs + cols % bs
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """Every layer's pool tensors: keys (MLA: latents), then values."""
+        return [*self.keys, *self.values]
 
-    def move_cols(self, tables: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """For each row i of ``tables`` [K, width + 1], copy its columns ``src[i]`` to ``dst[i]`` ([K, M]).
 
-        The accepted path of a tree sits scattered through the tree's columns; this packs it right after
-        the committed tokens, for every row of the batch in one gather and one scatter per buffer. The
-        gather reads before the scatter writes, so overlapping moves are safe; rows with shorter paths pad
-        ``src`` and ``dst`` with the scratch column.
-        """
-        src_slots, dst_slots = self.slots(tables, src), self.slots(tables, dst)  # [K, M] each
-        for buf in (*self.keys, *self.values):
-            flat = buf.view(-1, *buf.shape[2:])  # [num_blocks * block_size, *token_shape]
-            flat[dst_slots] = flat[src_slots]  # [K, M, *token_shape] gathered, then scattered
+def slots(tables: torch.Tensor, cols: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat pool slots [B, T] of columns ``cols`` [B, T] under block tables ``tables`` [B, width + 1]."""
+    blocks = tables.gather(1, torch.div(cols, block_size, rounding_mode="floor"))  # [B, T]
+    return blocks * block_size + cols % block_size
 
 
 @dataclass
@@ -152,7 +145,7 @@ class CacheWrite:
     span: int | None  # None: attention reads the pool itself (``ddtree.attention``'s flex backend)
 
     def __post_init__(self) -> None:
-        self.slots = self.cache.slots(self.tables, self.cols)  # [B, T], shared by every layer
+        self.slots = slots(self.tables, self.cols, self.cache.block_size)  # [B, T], shared by every layer
         # [B * span / block_size]: index_select on a flat index gathers 5x faster on the CPU than
         # indexing the pool with a [B, blocks] tensor
         if self.span is not None:
@@ -195,15 +188,34 @@ def pack_accepted(
     cache: PagedKVCache, tables: torch.Tensor, starts: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor
 ) -> None:
     """Row i (block table ``tables[i]``) keeps the keys/values of its accepted nodes ``path[i, :lengths[i]]``
-    at columns ``starts[i] + 0 .. lengths[i]`` (tables [B, width + 1], starts [B], path [B, S], lengths [B]).
+    at columns ``starts[i] + 0 .. lengths[i]`` (tables [B, width + 1], starts [B], path [B, S], lengths [B]):
+    ``pack_buffers`` over the pool's buffers."""
+    pack_buffers(cache.buffers, tables, starts, path, lengths, cache.scratch, cache.block_size)
+
+
+def pack_buffers(
+    buffers: list[torch.Tensor],  # [num_blocks, block_size, *token_shape] each, written in place
+    tables: torch.Tensor,  # [B, width + 1]
+    starts: torch.Tensor,  # [B]
+    path: torch.Tensor,  # [B, S]
+    lengths: torch.Tensor,  # [B]
+    scratch: int,
+    block_size: int,
+) -> None:
+    """``pack_accepted`` as a pure function of tensors (one graph per bucket when the round is compiled:
+    2 x layers x buffers launches become one call).
 
     A path is increasing node indices starting with the root (0), which stays where it is; every row moves
     in one gather and one scatter per buffer, on the device (a first-child chain moves onto itself), with
-    the entries past a row's path sent to the scratch column. The tree's other columns need no clearing:
-    the next round's mask hides everything past a row's committed tokens.
+    the entries past a row's path sent to the scratch column. The gather reads before the scatter writes,
+    so overlapping moves are safe (compiled, the gathered rows are a buffer of their own; tested against
+    the eager moves). The tree's other columns need no clearing: the next round's mask hides everything
+    past a row's committed tokens.
     """
-    steps = path.shape[1]
-    on_path = torch.arange(steps, device=path.device)[None] < lengths[:, None]  # [B, S]
-    src = torch.where(on_path, starts[:, None] + path, cache.scratch)  # [B, S]
-    dst = torch.where(on_path, starts[:, None] + torch.arange(steps, device=path.device), cache.scratch)
-    cache.move_cols(tables, src, dst)
+    steps = torch.arange(path.shape[1], device=path.device)  # [S]
+    on_path = steps[None] < lengths[:, None]  # [B, S]
+    src = slots(tables, torch.where(on_path, starts[:, None] + path, scratch), block_size)  # [B, S]
+    dst = slots(tables, torch.where(on_path, starts[:, None] + steps, scratch), block_size)
+    for buf in buffers:
+        flat = buf.view(-1, *buf.shape[2:])  # [num_blocks * block_size, *token_shape]
+        flat[dst] = flat[src]  # [B, S, *token_shape] gathered, then scattered

@@ -26,6 +26,13 @@ class Accepted:
     path: torch.Tensor  # [B, S] int64, S = deepest node + 1
     tokens: torch.Tensor  # [B, S] int64
     lengths: torch.Tensor  # [B] int64, >= 1
+    # With fixed shapes: the whole batch bucket's verdicts ([Bp, S], dummy rows included) that these rows
+    # head, so the KV pack can run as the bucket's graph
+    bucket: Accepted | None = None
+
+    def head(self, rows: int) -> Accepted:
+        """The first ``rows`` rows (a padded bucket's requests), remembering the whole bucket."""
+        return Accepted(self.path[:rows], self.tokens[:rows], self.lengths[:rows], bucket=self)
 
 
 def ancestor_mask(trees: TreeBatch) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 
 import ddtree.engine.verifier as verifier_module
 from ddtree.engine import Engine
-from ddtree.kv_cache import pack_accepted
+from ddtree.kv_cache import pack_accepted, pack_buffers
 from ddtree.params import SamplingParams
 from ddtree.tree import TreeSpec, build_tree_batch, draft_candidates
 from ddtree.verify import ancestor_mask
@@ -191,6 +191,35 @@ def test_kv_compaction_leaves_the_cache_of_a_fresh_forward(pair, kept_path):
     else:
         assert m >= 2
     torch.testing.assert_close(step, fresh, atol=1e-5, rtol=0)
+
+
+def test_the_compiled_kv_pack_moves_what_the_eager_one_moves():
+    """The commit as a bucket's graph (``pack_buffers`` compiled, as accelerators run it) over paths whose
+    moves overlap (a node moves onto a column a later node of its path is read from): every buffer ends
+    as the eager moves leave it, with rows of several lengths, a root-only row and a dummy row (all
+    scratch). Compiled, the gather must land in a buffer of its own before the scatter."""
+    gen = torch.Generator().manual_seed(0)
+    bs, width, rows, steps = 4, 12, 4, 9
+    buffers = [torch.randn(60, bs, 2, 8, generator=gen) for _ in range(3)]  # [blocks, bs, kvh, D]
+    owned = torch.randperm(59, generator=gen)[: 3 * width].view(3, width) + 1
+    tables = torch.cat([owned, torch.zeros(1, width, dtype=torch.int64)])  # row 3: a dummy (scratch)
+    tables = torch.cat([tables, torch.zeros(rows, 1, dtype=torch.int64)], dim=1)  # [4, width + 1]
+    starts = torch.tensor([5, 0, 17, 1])
+    compiled = torch.compile(pack_buffers, fullgraph=True, dynamic=False)
+    for _ in range(10):
+        path = torch.zeros(rows, steps, dtype=torch.int64)
+        lengths = torch.tensor([int(torch.randint(2, steps + 1, (), generator=gen)), 1, 0, 0])
+        lengths[2] = int(torch.randint(2, steps + 1, (), generator=gen))
+        lengths[3] = int(torch.randint(1, steps + 1, (), generator=gen))
+        for b in range(rows):
+            nodes = torch.randperm(20, generator=gen)[: int(lengths[b]) - 1] + 1
+            path[b, 1 : int(lengths[b])] = nodes.sort().values  # increasing, gaps: overlapping moves
+        want = [buf.clone() for buf in buffers]
+        pack_buffers(want, tables, starts, path, lengths, width * bs, bs)
+        compiled(buffers, tables, starts, path, lengths, width * bs, bs)
+        for got, expected in zip(buffers, want, strict=True):
+            assert torch.equal(got, expected)
+        assert any((path[b, 1 : int(lengths[b])] > torch.arange(1, int(lengths[b]))).any() for b in (0, 2))
 
 
 @pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])

@@ -45,7 +45,7 @@ from ddtree.engine.proposer import Proposer
 from ddtree.engine.request import GenerationResult, GenerationStats, Request, StepOutput, StreamDelta
 from ddtree.engine.scheduler import Chunk, Scheduler, delta_of
 from ddtree.engine.step_channel import StepChannel, close_channel
-from ddtree.engine.verifier import SAMPLE_ENTRIES, Verifier
+from ddtree.engine.verifier import SAMPLE_ENTRIES, Verifier, VerifyBatch
 from ddtree.errors import DDTreeError
 from ddtree.logprobs import TokenLogprobs, token_logprobs
 from ddtree.models import (
@@ -63,6 +63,7 @@ from ddtree.output import OutputState
 from ddtree.params import AUTO, SamplingParams, StructuredOutputs, check_speculative_options
 from ddtree.penalties import RequestPenalties
 from ddtree.tree import PaddedTrees, TreeShape, beam_plan, draft_candidates
+from ddtree.verify import Accepted
 
 if TYPE_CHECKING:
     from ddtree.grammar import GrammarCompiler, GrammarState
@@ -317,7 +318,7 @@ class Engine:
                     for _ in range(replays):
                         hidden, _ = runner.verify(*batch.forward_args(True))
                     if span == runner.span_buckets[0] and runner.round_compiled and self.drafter is not None:
-                        self._warm_round_graphs(hidden)
+                        self._warm_round_graphs(hidden, batch)
                 if self.drafter is not None:
                     bs, tables = self.drafter.block_size, runner.block_tables([], b)
                     for _ in range(replays):
@@ -327,9 +328,10 @@ class Engine:
         self.warmup_seconds += time.perf_counter() - t
         return self.warmup_seconds
 
-    def _warm_round_graphs(self, hidden: torch.Tensor) -> None:
-        """Run the round's graphs of one bucket (``hidden`` [Bp, Np, H]: its verify forward's output) on
-        dummy trees with the inputs' dtypes and strides of a real round, so no round compiles."""
+    def _warm_round_graphs(self, hidden: torch.Tensor, batch: VerifyBatch) -> None:
+        """Run the round's graphs of one bucket (``hidden`` [Bp, Np, H]: its verify forward's output, from
+        ``batch``) on dummy trees with the inputs' dtypes and strides of a real round, so no round
+        compiles. The dummy rows' KV pack moves within the scratch block."""
         runner, device = self.runner, self.device
         b, n = hidden.shape[:2]
         vocab = runner.lm_head.weight.shape[0]
@@ -345,7 +347,8 @@ class Engine:
             trees = [torch.zeros(b, 1, dtype=torch.int64, device=device) for _ in range(3)]
         padded = PaddedTrees(*trees, sizes)
         runner.inputs_graph(padded, sizes + 1, runner.cache.scratch, runner.tree_depth(n))
-        self.verifier.greedy_padded(padded, hidden, vocab)
+        verdicts = Accepted(*self.verifier.greedy_padded(padded, hidden, vocab))
+        self.verifier.pack(verdicts.head(b), batch)
         if b * n * vocab <= SAMPLE_ENTRIES:
             probs = torch.zeros(b, n, vocab, device=device)
             coins = torch.zeros(b, n, device=device)
@@ -674,7 +677,7 @@ class Engine:
         with clock.stage("accept"):
             accepted = self.verifier.accept(rows, trees, hidden, padded)  # the LM head closes the forward
         with clock.stage("commit"):
-            verdicts = self.verifier.verdicts(rows, accepted, hidden, features, batch.tables)
+            verdicts = self.verifier.verdicts(rows, accepted, hidden, features, batch)
             status = self.auto.learn(rows, trees.sizes, seen, verdicts)
             eaten = {id(r): k for r, k in zip(drafting, consumed, strict=True)}
             deltas = self.scheduler.update_from_output(

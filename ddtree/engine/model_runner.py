@@ -42,7 +42,7 @@ from ddtree.engine.request import Request
 from ddtree.engine.step_channel import StepChannel, close_channel, replicated
 from ddtree.errors import DDTreeError
 from ddtree.forward import Float32Linear, TargetForward
-from ddtree.kv_cache import KVLayout, PagedKVCache, pack_accepted
+from ddtree.kv_cache import KVLayout, PagedKVCache, pack_buffers
 from ddtree.sampling import sample_verdicts
 from ddtree.tree import beam_tree
 from ddtree.verify import greedy_verdicts, tree_inputs
@@ -208,7 +208,7 @@ class ModelRunner:
         self.draft_forward = self.draft_forward_eager
         # The round's work beside the forwards, at fixed shapes: one graph per bucket when compiled.
         self.tree_graph, self.inputs_graph = beam_tree, tree_inputs
-        self.greedy_graph, self.sample_graph = greedy_verdicts, sample_verdicts
+        self.greedy_graph, self.sample_graph, self.pack_graph = greedy_verdicts, sample_verdicts, pack_buffers
         self.attention = "sdpa"
         self.block_masks: dict[tuple[int, int, int], PagedBlockMask] = {}  # (pool, rows, queries) -> mask
         if channel is not None and channel.leader:  # the other ranks build their runners like this one
@@ -293,14 +293,14 @@ class ModelRunner:
             shapes = len(self.batch_buckets) * len(self.node_buckets) * len(self.span_buckets)
             caches = [c for c in (self.cache, self.draft_cache) if c is not None]
             if self.device.type == "cuda":
-                mark_static([buf for c in caches for buf in (*c.keys, *c.values)])
+                mark_static([buf for c in caches for buf in c.buffers])
             self.verify_forward = compile_forward(self.verify_forward_eager, self.device, shapes)
             self.draft_forward = compile_forward(self.draft_forward_eager, self.device, shapes)
             if self.device.type != "cpu" or capture.COMPILE_ROUND_ON_CPU:
                 rounds = len(self.batch_buckets) * len(self.node_buckets)
-                self.tree_graph, self.inputs_graph, self.greedy_graph, self.sample_graph = (
-                    compile_forward(fn, self.device, rounds, cuda_graphs=False)
-                    for fn in (beam_tree, tree_inputs, greedy_verdicts, sample_verdicts)
+                graphs = (beam_tree, tree_inputs, greedy_verdicts, sample_verdicts, pack_buffers)
+                self.tree_graph, self.inputs_graph, self.greedy_graph, self.sample_graph, self.pack_graph = (
+                    compile_forward(fn, self.device, rounds, cuda_graphs=False) for fn in graphs
                 )
                 self.round_compiled = True
 
@@ -429,10 +429,18 @@ class ModelRunner:
 
     @replicated(deferred=True)
     def pack(
-        self, tables: torch.Tensor, starts: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor
+        self,
+        tables: torch.Tensor,  # [B, width + 1]
+        starts: torch.Tensor,  # [B]
+        path: torch.Tensor,  # [B, S]
+        lengths: torch.Tensor,  # [B]
+        bucket: bool,
     ) -> None:
-        """Each row's accepted keys/values right after its committed tokens (``commit.pack_accepted``)."""
-        pack_accepted(self.cache, tables, starts, path, lengths)
+        """Each row's accepted keys/values right after its committed tokens (``kv_cache.pack_accepted``).
+        ``bucket``: the shapes are a fixed-shape round's ([batch bucket, its tree depth bound + 1]), which
+        go through the bucket's graph; other shapes run eagerly."""
+        pack = self.pack_graph if bucket else pack_buffers
+        pack(self.cache.buffers, tables, starts, path, lengths, self.cache.scratch, self.block_size)
 
     def verify_forward_eager(
         self,

@@ -210,14 +210,14 @@ class Verifier:
         bp, n = p.tokens.shape
         head = self.runner.lm_head
         if greedy == {True}:
-            return Accepted(*(x[:b] for x in self.greedy_padded(p, hidden, trees.branching)))
+            return Accepted(*self.greedy_padded(p, hidden, trees.branching)).head(b)
         if bp * n * head.weight.shape[0] > SAMPLE_ENTRIES:
             return None
         params = [r.params for r in rows]
         sampling = SamplingTensors.from_params(params + params[:1] * (bp - b), device)
         probs = filtered_probs(head(hidden), sampling)  # [Bp, Np, V]
         coins, finals = tree_coins(rows, trees.sizes, (bp, n), device)
-        return Accepted(*(x[:b] for x in self.sample_padded(p, probs, coins, finals, trees.branching)))
+        return Accepted(*self.sample_padded(p, probs, coins, finals, trees.branching)).head(b)
 
     def greedy_padded(
         self, trees: PaddedTrees, hidden: torch.Tensor, branching: int
@@ -303,20 +303,33 @@ class Verifier:
         coins, finals = tree_coins([rows[i] for i in group], trees.sizes, trees.tokens.shape, device)
         return sample_tree_batch(trees, probs, coins, finals, self.threshold_single, self.threshold_acc)
 
+    def pack(self, accepted: Accepted, batch: VerifyBatch) -> None:
+        """Move every row's accepted keys/values right after its committed tokens (``batch``: the round's
+        block tables and starts). Verdicts a bucket's graph decided move as that bucket's graph, dummy
+        rows included (their tables are all scratch); others eagerly. A path of the root alone (plain
+        rounds) moves nothing and is skipped."""
+        if accepted.path.shape[1] == 1:
+            return
+        if accepted.bucket is not None:
+            whole = accepted.bucket
+            self.runner.pack(batch.tables, batch.starts, whole.path, whole.lengths, True)
+        else:
+            b = accepted.path.shape[0]
+            self.runner.pack(batch.tables[:b], batch.starts[:b], accepted.path, accepted.lengths, False)
+
     def verdicts(
         self,
         rows: list[Request],
         accepted: Accepted,
         hidden: torch.Tensor,
         features: torch.Tensor | None,
-        tables: torch.Tensor,
+        batch: VerifyBatch,
     ) -> Verdicts:
-        """Pack every row's accepted keys/values after its committed tokens (``tables``: the round's block
-        tables) and keep its accepted nodes' drafter features, on the device; then bring the verdicts to
-        the host in one copy, with the log-probabilities of the tokens of rows that asked for them."""
+        """Pack every row's accepted keys/values after its committed tokens (``pack``) and keep its accepted
+        nodes' drafter features, on the device; then bring the verdicts to the host in one copy, with the
+        log-probabilities of the tokens of rows that asked for them."""
         b, steps = accepted.path.shape
-        starts = self.runner.inputs.upload(np.array([r.start for r in rows], dtype=np.int64))  # [B]
-        self.runner.pack(tables[:b], starts, accepted.path, accepted.lengths)
+        self.pack(accepted, batch)
         kept = None
         if features is not None and any(r.drafts for r in rows):  # [B, S, F * H], a fresh tensor
             kept = features.gather(1, accepted.path[..., None].expand(-1, -1, features.shape[-1]))

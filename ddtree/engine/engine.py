@@ -338,7 +338,7 @@ class Engine:
         sizes = torch.zeros(b, dtype=torch.int64, device=device)
         if n > 1:
             shape = TreeShape.bucket(n, self.drafter.block_size - 1, vocab)
-            logits = torch.zeros(b, self.drafter.block_size - 1, vocab, device=device)  # every position
+            logits = torch.zeros(b, shape.depths, vocab, device=device)  # the positions a bucket's trees read
             vals, ids = draft_candidates(logits, shape.k)
             allowed = torch.zeros(b, shape.depths, dtype=torch.int64, device=device)
             roots = torch.zeros_like(sizes)  # a distinct tensor: a graph is compiled for its inputs' aliasing
@@ -658,11 +658,11 @@ class Engine:
         t_round = time.perf_counter()  # the last step ended with a sync: the device is not behind
         drafting = self.scheduler.drafting_this_round(rows)
         with clock.stage("draft"):
-            draft_logits, consumed = (
+            drafted, consumed = (
                 self.proposer.draft(drafting) if drafting else (None, [])
-            )  # [D, depth, V]
+            )  # [D, block_size - 1, H]
         with clock.stage("tree"):
-            trees = self.proposer.trees(rows, drafting, draft_logits)
+            trees = self.proposer.trees(rows, drafting, drafted)  # the draft head, then the trees
             seen = None
             if any(r.auto for r in drafting):
                 trees, seen = self.auto.choose(rows, trees, len(drafting))

@@ -51,9 +51,10 @@ class Proposer:
             self.draft_pass(slots, width, self.runner.block_tables(rows), fixed=False)
 
     def draft(self, rows: list[Request]) -> tuple[torch.Tensor, list[int]]:
-        """One drafter pass over these rows' [root, MASK x (block_size - 1)]; returns their draft logits
-        [D, depth, V] (depth: as deep as the deepest row's tree can grow) and the context features each
-        row's drafter consumed (all it had pending: the scheduler drops them).
+        """One drafter pass over these rows' [root, MASK x (block_size - 1)]; returns the hidden states of
+        their drafted positions [D, block_size - 1, H] (``trees`` runs the draft head over as many as the
+        trees can use) and the context features each row's drafter consumed (all it had pending: the
+        scheduler drops them).
 
         A row's context may hold the features of several rounds (budget "auto" skips the drafter while
         drafting does not pay): the pass catches up on all of them, so the drafter's cache ends up exactly
@@ -78,14 +79,14 @@ class Proposer:
         else:
             slots = [DraftSlot(p, r.draft_len, r.root) for r, p in zip(rows, pending, strict=True)]
             hidden = self.draft_pass(slots, max(totals), self.runner.block_tables(rows), fixed=False)
-        # Every drafted position with fixed shapes (one tree graph per bucket), else as deep as needed.
-        fixed_depth = self.runner.drafter.block_size - 1 if self.runner.fixed_shapes else 0
-        depth = fixed_depth or max(self.depth(r) for r in rows)
-        hidden = hidden[: len(rows), 1 : 1 + depth].to(self.runner.draft_head.dtype)  # [D, depth, H]
-        logits = F.linear(
-            hidden, self.runner.draft_head, self.runner.draft_head_bias
-        ).float()  # [D, depth, V]
-        return logits, totals
+        return hidden[: len(rows), 1:], totals  # [D, block_size - 1, H]
+
+    def draft_logits(self, hidden: torch.Tensor, depth: int) -> torch.Tensor:
+        """The draft head over the first ``depth`` drafted positions of ``hidden`` [D, block_size - 1, H]:
+        float32 logits [D, depth, V]. The head is the target's LM head (V x H a position), so positions no
+        tree reaches are not scored: a budget-1 tree reads one."""
+        h = hidden[:, :depth].to(self.runner.draft_head.dtype)  # [D, depth, H]
+        return F.linear(h, self.runner.draft_head, self.runner.draft_head_bias).float()
 
     def draft_pass(
         self,
@@ -174,15 +175,16 @@ class Proposer:
         depth = block if r.method == "dflash" else min(self.budget(r), block)
         return max(1, min(depth, self.room(r) - 1))
 
-    def trees(self, rows: list[Request], drafting: list[Request], logits: torch.Tensor | None) -> TreeBatch:
+    def trees(self, rows: list[Request], drafting: list[Request], hidden: torch.Tensor | None) -> TreeBatch:
         """Every row's tree, built on the device in one batch: the root alone (``ar``, or no draft this
         round), the argmax chain (``dflash``: branching 1) or the best-first tree (``ddtree``; with budget
-        "auto", of up to ``auto_max_budget`` candidates). ``logits`` [D, depth, V] are the ``drafting``
-        rows' draft logits."""
+        "auto", of up to ``auto_max_budget`` candidates). ``hidden`` [D, block_size - 1, H]: the
+        ``drafting`` rows' drafted positions (``draft``), scored here as deep as the trees can grow (with
+        fixed shapes, as deep as the node bucket's: one tree graph per bucket)."""
         b = len(rows)
         spec = TreeSpec(*(np.zeros(b, dtype=np.int64) for _ in range(3)))
         drafted = {id(r): i for i, r in enumerate(drafting)}
-        vocab = logits.shape[-1] if logits is not None else 1
+        vocab = 1 if hidden is None else self.runner.draft_head.shape[0]  # the draft head's rows
         for i, r in enumerate(rows):
             room = self.drafted_room(r)
             if id(r) not in drafted or room < 1:
@@ -196,22 +198,22 @@ class Proposer:
                 spec.budgets[i], spec.topks[i], spec.depths[i] = budget, min(k, budget, vocab), depth
         runner = self.runner
         plain = lambda: TreeBatch.root_only(runner.inputs.upload(np.array([r.root for r in rows])))  # noqa: E731
-        if logits is None or not spec.budgets.any():
+        if hidden is None or not spec.budgets.any():
             return plain()
-        logits = penalised_drafts(drafting, logits)
-        if self.sampling_aware_trees:
-            logits = self.sampling_aware(drafting, logits)
-        logits = grammar_first_level(drafting, logits)
         k = int(spec.topks.max())
-        shape, bp = None, b
+        shape, bp, depth = None, b, max(self.depth(r) for r in drafting)
         if runner.fixed_shapes:  # one tree graph per bucket: a batch bucket of rows, a node bucket wide
             n = runner.node_bucket(int(spec.sizes(int(spec.budgets.max()), k).max()))
             if n == 1:
                 return plain()
             bp = pick(runner.batch_buckets, b)
             shape = TreeShape.bucket(n, runner.drafter.block_size - 1, vocab)
-            k = shape.k
+            k, depth = shape.k, shape.depths
             spec = TreeSpec(*(np.pad(x, (0, bp - b)) for x in (spec.budgets, spec.topks, spec.depths)))
+        logits = penalised_drafts(drafting, self.draft_logits(hidden, depth))  # [D, depth, V]
+        if self.sampling_aware_trees:
+            logits = self.sampling_aware(drafting, logits)
+        logits = grammar_first_level(drafting, logits)
         vals, ids = draft_candidates(logits, k)  # [D, depth, K] each
         if len(drafting) < bp:  # rows that do not draft this round get candidates they never read
             at = np.zeros(bp, dtype=np.int64)

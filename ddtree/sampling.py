@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ddtree.params import SamplingParams, check_accept_thresholds
 from ddtree.tree import PaddedTrees, TreeBatch, children_table, top_k_rows
@@ -91,6 +92,27 @@ def filtered_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Ten
         floor = sampling.min_p[:, None, None] * probs.amax(dim=-1, keepdim=True)  # [B, N, 1]
         keep = probs >= floor if not sampling.any_top_p else keep & (probs >= floor)
     return scores.masked_fill(~keep, float("-inf")).softmax(dim=-1)  # HF's final softmax
+
+
+GRAPH_TOP_K = 1024  # the largest top-k a bucket's filter graph serves (a larger one: the eager path)
+
+
+def sampled_probs(
+    hidden: torch.Tensor,  # [B, N, H]
+    weight: torch.Tensor,  # [V, H] the LM head
+    bias: torch.Tensor | None,
+    temperature: torch.Tensor,  # [B] as in SamplingTensors
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    kmax: int,
+) -> torch.Tensor:
+    """The LM head and every sampling filter, hidden [B, N, H] -> float32 probabilities [B, N, V]: one graph
+    a bucket. Every filter is on (a ``kmax``-wide top-k, top-p, min-p), so one graph serves any mix of
+    the rows' parameters without recompiling: a row whose filter is off passes it unchanged (top-k 0 masks
+    nothing, top-p 1 drops only tokens of probability 0, min-p 0 keeps all)."""
+    sampling = SamplingTensors(temperature, top_k, top_p, min_p, kmax, any_top_p=True, any_min_p=True)
+    return filtered_probs(F.linear(hidden, weight, bias), sampling)
 
 
 NUCLEUS_CHUNK_ENTRIES = 1 << 24  # entries per nucleus_mask call: ~0.3 GB of scratch (int32 + float64)

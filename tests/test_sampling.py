@@ -429,6 +429,34 @@ def test_target_probs_always_keep_at_least_the_top_token():
         assert torch.equal(target_probs_from_logits(logits, params), top)
 
 
+def test_the_filter_graphs_every_filter_on_changes_no_row_whose_filter_is_off():
+    """``sampled_probs`` (a bucket's graph: the LM head, then every filter on for every row) gives each row
+    of a mixed batch the distribution its own filters alone give it: top-k 0, top-p 1 and min-p 0 pass a
+    row unchanged; a row that uses a filter is filtered as alone. At a real vocabulary, with ties."""
+    gen = torch.Generator().manual_seed(5)
+    vocab, hidden_size = 151936, 64
+    weight = torch.randn(vocab, hidden_size, generator=gen) / 8
+    weight[7] = weight[9]  # tokens 7 and 9 tie everywhere
+    hidden = torch.randn(6, 3, hidden_size, generator=gen)  # [B, N, H]
+    params = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=50),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=1.0, min_p=0.1),
+        SamplingParams(temperature=0.6, top_k=20, top_p=0.9, min_p=0.05),
+        SamplingParams(temperature=2.0, top_k=sampling_module.GRAPH_TOP_K),
+    ]
+    batch = SamplingTensors.from_params(params)
+    tensors = (batch.temperature, batch.top_k, batch.top_p, batch.min_p)
+    got = sampling_module.sampled_probs(hidden, weight, None, *tensors, sampling_module.GRAPH_TOP_K)
+    logits = hidden @ weight.T  # [B, N, V]
+    for row, p in enumerate(params):
+        alone = filtered_probs(logits[row : row + 1], SamplingTensors.from_params([p]))[0]  # [N, V]
+        assert torch.equal(got[row] > 0, alone > 0), p
+        torch.testing.assert_close(got[row], alone, rtol=0, atol=1e-7)
+    assert (got[0] > 0).all() and (got[1] > 0).sum(dim=-1).tolist() == [50, 50, 50]
+
+
 def test_target_probs_refuse_greedy():
     with pytest.raises(ValueError):
         target_probs_from_logits(torch.zeros(4), SamplingParams(temperature=0.0))

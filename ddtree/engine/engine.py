@@ -350,7 +350,7 @@ class Engine:
         verdicts = Accepted(*self.verifier.greedy_padded(padded, hidden, vocab))
         self.verifier.pack(verdicts.head(b), batch)
         if b * n * vocab <= SAMPLE_ENTRIES:
-            probs = torch.zeros(b, n, vocab, device=device)
+            probs = self.verifier.padded_probs([SamplingParams(temperature=1.0)] * b, hidden)  # [Bp, Np, V]
             coins = torch.zeros(b, n, device=device)
             self.verifier.sample_padded(padded, probs, coins, coins[:, 0].contiguous(), vocab)
 

@@ -43,7 +43,7 @@ from ddtree.engine.step_channel import StepChannel, close_channel, replicated
 from ddtree.errors import DDTreeError
 from ddtree.forward import Float32Linear, TargetForward
 from ddtree.kv_cache import KVLayout, PagedKVCache, pack_buffers
-from ddtree.sampling import sample_verdicts
+from ddtree.sampling import sample_verdicts, sampled_probs
 from ddtree.tree import beam_tree
 from ddtree.verify import greedy_verdicts, tree_inputs
 
@@ -209,6 +209,7 @@ class ModelRunner:
         # The round's work beside the forwards, at fixed shapes: one graph per bucket when compiled.
         self.tree_graph, self.inputs_graph = beam_tree, tree_inputs
         self.greedy_graph, self.sample_graph, self.pack_graph = greedy_verdicts, sample_verdicts, pack_buffers
+        self.filter_graph = sampled_probs
         self.attention = "sdpa"
         self.block_masks: dict[tuple[int, int, int], PagedBlockMask] = {}  # (pool, rows, queries) -> mask
         if channel is not None and channel.leader:  # the other ranks build their runners like this one
@@ -298,10 +299,22 @@ class ModelRunner:
             self.draft_forward = compile_forward(self.draft_forward_eager, self.device, shapes)
             if self.device.type != "cpu" or capture.COMPILE_ROUND_ON_CPU:
                 rounds = len(self.batch_buckets) * len(self.node_buckets)
-                graphs = (beam_tree, tree_inputs, greedy_verdicts, sample_verdicts, pack_buffers)
-                self.tree_graph, self.inputs_graph, self.greedy_graph, self.sample_graph, self.pack_graph = (
-                    compile_forward(fn, self.device, rounds, cuda_graphs=False) for fn in graphs
+                graphs = (
+                    beam_tree,
+                    tree_inputs,
+                    greedy_verdicts,
+                    sampled_probs,
+                    sample_verdicts,
+                    pack_buffers,
                 )
+                (
+                    self.tree_graph,
+                    self.inputs_graph,
+                    self.greedy_graph,
+                    self.filter_graph,
+                    self.sample_graph,
+                    self.pack_graph,
+                ) = (compile_forward(fn, self.device, rounds, cuda_graphs=False) for fn in graphs)
                 self.round_compiled = True
 
     def node_bucket(self, nodes: int) -> int:

@@ -15,8 +15,9 @@ from ddtree.capture import pick, upload
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Request
 from ddtree.logprobs import TokenLogprobs, token_logprobs
+from ddtree.params import SamplingParams
 from ddtree.penalties import NodePenalties
-from ddtree.sampling import SamplingTensors, filtered_probs, inverse_cdf, sample_tree_batch
+from ddtree.sampling import GRAPH_TOP_K, SamplingTensors, filtered_probs, inverse_cdf, sample_tree_batch
 from ddtree.tree import PaddedTrees, TreeBatch
 from ddtree.verify import Accepted, accept_greedy, ancestor_mask, walk_greedy
 
@@ -214,8 +215,9 @@ class Verifier:
         if bp * n * head.weight.shape[0] > SAMPLE_ENTRIES:
             return None
         params = [r.params for r in rows]
-        sampling = SamplingTensors.from_params(params + params[:1] * (bp - b), device)
-        probs = filtered_probs(head(hidden), sampling)  # [Bp, Np, V]
+        probs = self.padded_probs(params + params[:1] * (bp - b), hidden)  # [Bp, Np, V]
+        if probs is None:
+            return None
         coins, finals = tree_coins(rows, trees.sizes, (bp, n), device)
         return Accepted(*self.sample_padded(p, probs, coins, finals, trees.branching)).head(b)
 
@@ -229,6 +231,21 @@ class Verifier:
         walk = (depth + 1) * max(bp, floor) < max(bp * n, floor) or wide
         branching = max(1, min(n - 1, branching))  # what the children table holds: one graph a bucket
         return runner.greedy_graph(hidden, head.weight, head.bias, trees, depth, branching, walk)
+
+    def padded_probs(self, params: list[SamplingParams], hidden: torch.Tensor) -> torch.Tensor | None:
+        """The filtered target distributions of a padded batch (``params``: one per row, dummies included;
+        hidden [Bp, Np, H]) -> [Bp, Np, V]. With the round compiled, the bucket's graph with every filter on
+        (``sampling.sampled_probs``; None past its top-k, for the eager path); eagerly, only the filters some
+        row uses."""
+        runner, head = self.runner, self.runner.lm_head
+        sampling = SamplingTensors.from_params(params, hidden.device)
+        if not runner.round_compiled:
+            return filtered_probs(head(hidden), sampling)
+        if sampling.max_top_k > GRAPH_TOP_K:
+            return None
+        tensors = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+        kmax = min(GRAPH_TOP_K, head.weight.shape[0])
+        return runner.filter_graph(hidden, head.weight, head.bias, *tensors, kmax)
 
     def sample_padded(
         self,

@@ -9,7 +9,8 @@
 # H200, whatever hangs; a cut step keeps what it wrote, and the first lent run sets real bounds):
 #   1. the lossless tests on CUDA (DDTREE_TEST_DEVICE=cuda): padding changes no output, 50+ compiled
 #      rounds never recompile and equal eager (greedy and seeded sampling), the round's graphs (tree,
-#      inputs, acceptance) at node buckets 17 and 257 with the same eager ops a step at every budget,
+#      inputs, sampling filters, acceptance, KV pack) at node buckets 17 and 257 with the same eager ops a
+#      step at every budget,
 #      the G-test / chi-square on
 #      samples drawn through CUDA graphs, and at most two host reads in a round of 16 rows;
 #   2. the syncs CUDA reports in one round of 16 rows (torch.cuda.set_sync_debug_mode), greedy / sampled /

@@ -89,7 +89,9 @@ class PagedKVCache:
         self.values = [zeros(shape, dtype, device) for _ in range(num_layers)] if layout.has_values else []
         # Where eager reads gather to ([blocks read, block_size, *token_shape] each; keys, values), grown to
         # the largest read so far. A layer's attention consumes its rows before the next layer gathers.
-        self.read_buffers = [torch.empty(0, block_size, *layout.token_shape, dtype=dtype, device=device)] * 2
+        self.read_buffers = [
+            torch.empty(0, block_size, *layout.token_shape, dtype=dtype, device=device) for _ in range(2)
+        ]
 
     def read_buffer(self, which: int, blocks: int) -> torch.Tensor:
         """Read buffer ``which`` (0 keys / latents, 1 values) for ``blocks`` blocks, [blocks, block_size,
@@ -184,15 +186,6 @@ class CacheWrite:
         return rows.view(b, self.span, *buf.shape[2:])
 
 
-def pack_accepted(
-    cache: PagedKVCache, tables: torch.Tensor, starts: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor
-) -> None:
-    """Row i (block table ``tables[i]``) keeps the keys/values of its accepted nodes ``path[i, :lengths[i]]``
-    at columns ``starts[i] + 0 .. lengths[i]`` (tables [B, width + 1], starts [B], path [B, S], lengths [B]):
-    ``pack_buffers`` over the pool's buffers."""
-    pack_buffers(cache.buffers, tables, starts, path, lengths, cache.scratch, cache.block_size)
-
-
 def pack_buffers(
     buffers: list[torch.Tensor],  # [num_blocks, block_size, *token_shape] each, written in place
     tables: torch.Tensor,  # [B, width + 1]
@@ -202,8 +195,10 @@ def pack_buffers(
     scratch: int,
     block_size: int,
 ) -> None:
-    """``pack_accepted`` as a pure function of tensors (one graph per bucket when the round is compiled:
-    2 x layers x buffers launches become one call).
+    """Row i (block table ``tables[i]``) keeps the keys/values of its accepted nodes ``path[i, :lengths[i]]``
+    at columns ``starts[i] + 0 .. lengths[i]``, in every pool tensor of ``buffers`` (a pool's
+    ``PagedKVCache.buffers``). A pure function of tensors: one graph per bucket when the round is compiled
+    (two launches per layer buffer become one call).
 
     A path is increasing node indices starting with the root (0), which stays where it is; every row moves
     in one gather and one scatter per buffer, on the device (a first-child chain moves onto itself), with

@@ -3,7 +3,7 @@
 A round's verdict, per row, is ``(accepted node indices with the root first, emitted tokens with the bonus
 last)``; ``OutputState.write`` takes the tokens, stopping exactly at EOS, a stop token id, a stop string or
 ``max_new_tokens``, even in the middle of an accepted block (the KV packing of the accepted nodes is
-``kv_cache.pack_accepted``; their logprobs ``logprobs.token_logprobs``).
+``kv_cache.pack_buffers``; their logprobs ``logprobs.token_logprobs``).
 """
 
 from __future__ import annotations

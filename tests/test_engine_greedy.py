@@ -8,7 +8,7 @@ import torch
 
 import ddtree.engine.verifier as verifier_module
 from ddtree.engine import Engine
-from ddtree.kv_cache import pack_accepted, pack_buffers
+from ddtree.kv_cache import pack_buffers
 from ddtree.params import SamplingParams
 from ddtree.tree import TreeSpec, build_tree_batch, draft_candidates
 from ddtree.verify import ancestor_mask
@@ -181,7 +181,8 @@ def test_kv_compaction_leaves_the_cache_of_a_fresh_forward(pair, kept_path):
                     kept.append(i)
         m = len(kept)
         padded = torch.tensor([kept + [0] * (trees.depth + 1 - m)])
-        pack_accepted(cache, tables, torch.tensor([start]), padded, torch.tensor([m]))
+        starts, lengths = torch.tensor([start]), torch.tensor([m])
+        pack_buffers(cache.buffers, tables, starts, padded, lengths, cache.scratch, cache.block_size)
         committed = prompt + tree.tokens[kept].tolist()
         nxt = 3
         step = run([nxt], [start + m], [start + m], torch.ones(1, start + m + 1, dtype=torch.bool))[-1]

@@ -449,7 +449,7 @@ class ModelRunner:
         lengths: torch.Tensor,  # [B]
         bucket: bool,
     ) -> None:
-        """Each row's accepted keys/values right after its committed tokens (``kv_cache.pack_accepted``).
+        """Each row's accepted keys/values right after its committed tokens (``kv_cache.pack_buffers``).
         ``bucket``: the shapes are a fixed-shape round's ([batch bucket, its tree depth bound + 1]), which
         go through the bucket's graph; other shapes run eagerly."""
         pack = self.pack_graph if bucket else pack_buffers

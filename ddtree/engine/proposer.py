@@ -201,15 +201,16 @@ class Proposer:
         if hidden is None or not spec.budgets.any():
             return plain()
         k = int(spec.topks.max())
-        shape, bp, depth = None, b, max(self.depth(r) for r in drafting)
+        shape, bp = None, b
         if runner.fixed_shapes:  # one tree graph per bucket: a batch bucket of rows, a node bucket wide
             n = runner.node_bucket(int(spec.sizes(int(spec.budgets.max()), k).max()))
             if n == 1:
                 return plain()
             bp = pick(runner.batch_buckets, b)
             shape = TreeShape.bucket(n, runner.drafter.block_size - 1, vocab)
-            k, depth = shape.k, shape.depths
+            k = shape.k
             spec = TreeSpec(*(np.pad(x, (0, bp - b)) for x in (spec.budgets, spec.topks, spec.depths)))
+        depth = shape.depths if shape is not None else max(self.depth(r) for r in drafting)
         logits = penalised_drafts(drafting, self.draft_logits(hidden, depth))  # [D, depth, V]
         if self.sampling_aware_trees:
             logits = self.sampling_aware(drafting, logits)

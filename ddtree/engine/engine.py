@@ -22,10 +22,11 @@ callers that want results) and reads a step top to bottom.
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,7 +45,7 @@ from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.proposer import Proposer
 from ddtree.engine.request import GenerationResult, GenerationStats, Request, StepOutput, StreamDelta
 from ddtree.engine.scheduler import Chunk, Scheduler, delta_of
-from ddtree.engine.step_channel import StepChannel, close_channel
+from ddtree.engine.step_channel import StepChannel, TensorParallelError, close_channel
 from ddtree.engine.verifier import SAMPLE_ENTRIES, Verifier, VerifyBatch
 from ddtree.errors import DDTreeError
 from ddtree.logprobs import TokenLogprobs, token_logprobs
@@ -64,6 +65,8 @@ from ddtree.params import AUTO, SamplingParams, StructuredOutputs, check_specula
 from ddtree.penalties import RequestPenalties
 from ddtree.tree import PaddedTrees, TreeShape, beam_plan, draft_candidates
 from ddtree.verify import Accepted
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from ddtree.grammar import GrammarCompiler, GrammarState
@@ -522,6 +525,7 @@ class Engine:
                 result.text += delta.text
                 result.logprobs += delta.logprobs
                 result.finish_reason, result.stats = delta.finish_reason, delta.stats
+                result.error = delta.error
             results.append(result)
         return results[0] if single else results
 
@@ -588,10 +592,53 @@ class Engine:
         with torch.inference_mode():
             chunks = self.scheduler.schedule_prefill()
             if chunks:
-                deltas = self._prefill(chunks)
+                deltas = self._isolated(chunks, [c.request for c in chunks], self._prefill)
+            elif self.scheduler.decoding:
+                rows = self.scheduler.schedule_round(self.proposer.columns)  # blocks taken; may preempt
+                drafting = self.scheduler.drafting_this_round(rows)
+
+                def round_of(part: list[Request]) -> list[StreamDelta]:
+                    return self._round(part, [r for r in drafting if r in part])
+
+                deltas = self._isolated(rows, rows, round_of)
             else:
-                deltas = self._round() if self.scheduler.decoding else []
+                deltas = []
         self._route(deltas)
+
+    def _isolated(self, parts: list, requests: list[Request], run: Callable[[list], list[StreamDelta]]):
+        """``run(parts)``, a step over ``requests`` (``parts[i]`` is ``requests[i]``'s share: a chunk or the
+        row). When it raises, the failure is traced to the requests it came from: each share runs again
+        alone (the step changed no request before failing; its sampled rows' generators are rewound first,
+        so a seeded row draws the coins it would have drawn) and a request whose share fails alone ends
+        with finish_reason "error"; the others' shares make this step. Only a failure every share repeats
+        alone (the device, not a request) escapes, as does a tensor-parallel rank's."""
+        coins = [(r.generator, r.generator.get_state()) for r in requests if r.params.temperature > 0]
+        try:
+            return run(parts)
+        except TensorParallelError:
+            raise
+        except Exception as exc:
+            first = exc
+        deltas: list[StreamDelta] = []
+        failed: list[tuple[Request, Exception]] = [(requests[0], first)]
+        if len(parts) > 1:
+            log.warning("a step of %d requests failed (%s); running each alone", len(parts), first)
+            for generator, state in coins:
+                generator.set_state(state)
+            failed = []
+            for part, request in zip(parts, requests, strict=True):
+                try:
+                    deltas += run([part])
+                except TensorParallelError:
+                    raise
+                except Exception as exc:
+                    failed.append((request, exc))
+            if len(failed) == len(parts):
+                raise first
+        for request, exc in failed:
+            log.error("request %s failed in a step and ends alone: %s", request.request_id, exc)
+            deltas.append(self.scheduler.fail(request, exc))
+        return deltas
 
     def _route(self, deltas: list[StreamDelta]) -> None:
         """Each delta to its request's stream, or to the next ``step``'s return value."""
@@ -644,7 +691,7 @@ class Engine:
             )
         )
 
-    def _round(self) -> list[StreamDelta]:
+    def _round(self, rows: list[Request], drafting: list[Request]) -> list[StreamDelta]:
         """Draft, build every row's tree, verify all trees in one target forward, accept, commit.
 
         From the draft to the verdicts the round runs on the device; the host waits twice: for the trees'
@@ -653,10 +700,8 @@ class Engine:
         time the stages, as profiling does (``StageClock``: CUDA events read after the round's last sync,
         so timing adds no wait). The scheduler then applies the round to its rows.
         """
-        rows = self.scheduler.schedule_round(self.proposer.columns)  # blocks taken; may preempt
         clock = StageClock(self.device, self.profile or any(r.auto for r in rows))
         t_round = time.perf_counter()  # the last step ended with a sync: the device is not behind
-        drafting = self.scheduler.drafting_this_round(rows)
         with clock.stage("draft"):
             drafted, consumed = (
                 self.proposer.draft(drafting) if drafting else (None, [])

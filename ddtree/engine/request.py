@@ -113,6 +113,7 @@ class GenerationResult:
     stats: GenerationStats
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # aligned with token_ids when requested
     request_id: str = ""
+    error: str | None = None  # finish_reason "error": why this request failed (the others went on)
 
 
 @dataclass
@@ -125,6 +126,7 @@ class StreamDelta:
     finish_reason: str | None
     stats: GenerationStats
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # aligned with token_ids when requested
+    error: str | None = None  # finish_reason "error": why this request failed (the others went on)
 
 
 @dataclass(eq=False)  # a request is itself: compared (and found in lists) by identity
@@ -163,6 +165,7 @@ class Request:
     penalties: RequestPenalties | None = None  # penalties and biases, resolved at admission
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks so far
     cached_blocks: int = 0  # of its blocks, those already indexed in the prefix cache (or examined)
+    error: str | None = None  # why a step failed for this request alone (finish_reason "error")
 
     @property
     def prefilling(self) -> bool:

@@ -170,43 +170,64 @@ class Scheduler:
         grew (a prefill's first token, a round's tokens)."""
         deltas = []
         for i, r in enumerate(out.rows):
-            if out.consumed[i]:
-                r.draft_len += out.consumed[i]
-                r.features = []  # a pass consumes all a row has pending
-            if out.features[i] is not None:
-                r.features.append(out.features[i])
-            if i in out.auto_widths:
-                r.auto_width = out.auto_widths[i]
-            if out.auto_status is not None and r.auto:
-                r.stats.auto = out.auto_status
-            if out.drafted_nodes is not None:
-                r.stats.drafted_nodes.append(out.drafted_nodes[i])
-            if out.prefilled is not None:
-                r.computed += out.prefilled[i]
-                r.stats.prefill_seconds += out.seconds  # every chunk's step, not only the last one's
-                if r.prefilling:
-                    continue
-                r.start = r.computed
-                if not out.tokens[i]:  # resumed after a preemption: its output is already written
-                    r.root = r.output.token_ids[-1]
-                    continue
-            tokens, before = out.tokens[i], len(r.output.token_ids)
-            taken = r.output.write(tokens, out.logprobs[i])
-            if r.grammar is not None:
-                r.grammar.accept(r.output.token_ids[before:])
-            if out.prefilled is None:
-                r.start += len(tokens)
-                r.stats.acceptance_lengths.append(len(tokens))
-                r.stats.decode_tokens += taken
-            r.root = tokens[-1]
-            deltas.append(delta_of(r, before))
+            try:
+                delta = self._apply(out, i, r)
+            except Exception as exc:  # this row's output (text, stop strings, grammar) failed: its own error
+                deltas.append(self.fail(r, exc))
+                continue
+            if delta is not None:
+                deltas.append(delta)
         if out.auto_skip is not None:
             self.auto_skip = out.auto_skip
-        self.cache_blocks(out.rows)
+        self.cache_blocks([r for r in out.rows if r.error is None])
         for r in out.rows:
-            if r.output.finish_reason is not None:
+            if r.output.finish_reason is not None and r.error is None:
                 self.release(r)
         return deltas
+
+    def _apply(self, out: StepOutput, i: int, r: Request) -> StreamDelta | None:
+        """Row i's part of ``out``; its delta when its output grew."""
+        if out.consumed[i]:
+            r.draft_len += out.consumed[i]
+            r.features = []  # a pass consumes all a row has pending
+        if out.features[i] is not None:
+            r.features.append(out.features[i])
+        if i in out.auto_widths:
+            r.auto_width = out.auto_widths[i]
+        if out.auto_status is not None and r.auto:
+            r.stats.auto = out.auto_status
+        if out.drafted_nodes is not None:
+            r.stats.drafted_nodes.append(out.drafted_nodes[i])
+        if out.prefilled is not None:
+            r.computed += out.prefilled[i]
+            r.stats.prefill_seconds += out.seconds  # every chunk's step, not only the last one's
+            if r.prefilling:
+                return None
+            r.start = r.computed
+            if not out.tokens[i]:  # resumed after a preemption: its output is already written
+                r.root = r.output.token_ids[-1]
+                return None
+        tokens, before = out.tokens[i], len(r.output.token_ids)
+        taken = r.output.write(tokens, out.logprobs[i])
+        if r.grammar is not None:
+            r.grammar.accept(r.output.token_ids[before:])
+        if out.prefilled is None:
+            r.start += len(tokens)
+            r.stats.acceptance_lengths.append(len(tokens))
+            r.stats.decode_tokens += taken
+        r.root = tokens[-1]
+        return delta_of(r, before)
+
+    def fail(self, r: Request, exc: BaseException) -> StreamDelta:
+        """A step failed for r alone (``Engine`` found it by running r's part of the step alone): r leaves
+        with finish_reason "error" and the reason; its blocks go back, none of them indexed by this step."""
+        if r in self.running:
+            self._leave(r)
+        else:
+            self._remove_waiting(r.request_id)
+        r.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+        r.output.finish_reason = "error"
+        return delta_of(r, len(r.output.token_ids))
 
     def record_round_time(self, rows: list[Request], stage_seconds: dict[str, float], seconds: float) -> None:
         """A round's wall time and its stages' (shared by its rows), once the round is over."""
@@ -269,4 +290,5 @@ def delta_of(r: Request, before: int) -> StreamDelta:
         finish_reason=r.output.finish_reason,
         stats=r.stats,
         logprobs=r.output.logprobs[before:],
+        error=r.error,
     )

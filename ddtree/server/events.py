@@ -18,7 +18,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ddtree.engine.step_channel import TensorParallelError
-from ddtree.errors import DDTreeError
+from ddtree.errors import DDTreeError, RequestFailed
 from ddtree.server.errors import APIError, ClientGone, error_body, invalid
 from ddtree.server.generation import Generation, Piece, RowDelta
 from ddtree.server.metrics import Metrics
@@ -63,6 +63,8 @@ async def job_items(
                     raise APIError(503, message, "service_unavailable", None, "shutting_down")
                 if isinstance(item.error, TensorParallelError):  # the server's fault, not the request's
                     raise APIError(500, str(item.error), "server_error", None, "engine_failed")
+                if isinstance(item.error, RequestFailed):  # this request alone: the others went on
+                    raise APIError(500, str(item.error), "server_error", None, "request_failed")
                 raise item.error
             yield item
     finally:

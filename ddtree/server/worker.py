@@ -11,7 +11,9 @@ request id to its job, whose items go back to the request's event loop. A job th
 refuses at once (the caller answers 429).
 
 Cancelling a job (client gone, timeout, a stop string the API side found) aborts its rows at the next step
-boundary. A request that fails (a bad option the engine refuses) fails alone; the others go on.
+boundary. A request that fails (a bad option the engine refuses, or a step the engine traced to it) fails
+alone; the others go on. A step that fails whatever requests it runs is the engine's fault: the server
+stops, as for a dead tensor-parallel rank.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any, Literal
 import torch
 
 from ddtree.engine.step_channel import TensorParallelError
+from ddtree.errors import RequestFailed
 from ddtree.server.generation import EngineRow, RowDelta, ServedModel, Started
 from ddtree.server.metrics import Metrics
 
@@ -306,10 +309,11 @@ class EngineWorker:
             if self.state != "dead":  # the rank watcher may have said so first
                 self.fail(str(exc))
             return
-        except Exception as exc:  # the engine's own fault: nobody's rows can be trusted to go on
-            log.exception("an engine step failed; failing the requests in it")
+        except Exception as exc:  # every request's share failed alone too: the engine's (device's) fault
+            log.exception("an engine step failed whatever requests it ran; the engine stops")
             for job in {*self._rows.values()}:
                 self._finish(job, error=exc, abort=True)
+            self.fail(f"an engine step failed: {type(exc).__name__}: {exc}")
             return
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         if rows:  # a step that only admitted ran no round
@@ -321,6 +325,11 @@ class EngineWorker:
             if not job.running:
                 job.running = True
                 self.metrics.queue_wait.observe(time.perf_counter() - job.enqueued_at)
+            if delta.finish_reason == "error":  # the engine traced a step's failure to this request
+                self._forget(job, delta.request_id)
+                failure = RequestFailed(f"this request failed in the engine: {delta.error}")
+                self._finish(job, error=failure, abort=True)
+                continue
             job.emit(RowDelta(delta, len(delta.stats.acceptance_lengths)))
             if delta.finish_reason is not None:
                 self._row_ended(job, delta.request_id)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,6 +14,14 @@ from ddtree.errors import DDTreeError
 
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5
+# What each sampling value may be (docs/inputs.md): the server's request models read these bounds, so a
+# value is refused where it enters and nothing that passes reaches the engine's float32 tensors as 0 or inf.
+MAX_TEMPERATURE = 1e6  # logits / T stay finite in float32; at T = 100 the law is already nearly uniform
+MAX_TOP_K = (1 << 31) - 1  # exact in float64 and int32; a top_k above the vocabulary keeps every token
+PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency, as OpenAI
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # it and its inverse scale logits: both stay finite in float32
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # as OpenAI
+SEED_RANGE = (-(1 << 63), 1 << 64)  # [lo, hi): what torch.Generator.manual_seed takes
 METHODS = ("ddtree", "dflash", "ar")
 AUTO = "auto"  # budget: chosen per round and row from expected tokens per second (ddtree.budget)
 MAX_BUDGET = 4096  # a larger tree only costs the verify forward (a round drafts at most its row's room)
@@ -127,6 +134,11 @@ class StructuredOutputs:
             raise DDTreeError("structured outputs' start_after must be token ids")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
             raise DDTreeError("structured outputs' choice must be a non-empty list of strings")
+        texts = {name: getattr(self, name) for name in ("json", "regex", "grammar")}
+        texts |= {f"choice[{i}]": c for i, c in enumerate(self.choice or ())}
+        for name, text in texts.items():
+            if text is not None:
+                check_text(f"structured outputs' {name}", text)
         size = sum(len(x) for x in (self.json, self.regex, self.grammar) if x) + sum(
             map(len, self.choice or ())
         )
@@ -177,43 +189,57 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _strings(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise DDTreeError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise DDTreeError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise DDTreeError(
+                f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}"
+            )
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise DDTreeError(
+                f"top_k must be an integer in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k!r}"
+            )
         if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise DDTreeError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             raise DDTreeError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise DDTreeError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise DDTreeError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise DDTreeError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if self.logprobs is not None and (
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise DDTreeError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise DDTreeError("stop strings must be non-empty strings")
+        for i, text in enumerate(self.stop):
+            check_text(f"stop[{i}]", text)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise DDTreeError("structured_outputs must be a StructuredOutputs")
         self._check_penalties()
 
     def _check_penalties(self) -> None:
+        lo, hi = PENALTY_RANGE
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_number(value) or not -2.0 <= value <= 2.0:  # NaN fails both
-                raise DDTreeError(f"{name} must be a number in [-2, 2], got {value!r}")
-        rep = self.repetition_penalty
-        if not _is_number(rep) or not math.isfinite(rep) or rep <= 0:
-            raise DDTreeError(f"repetition_penalty must be a finite number > 0, got {rep!r}")
-        bias = self.logit_bias
+            if not _is_number(value) or not lo <= value <= hi:  # NaN fails both
+                raise DDTreeError(f"{name} must be a number in [{lo:g}, {hi:g}], got {value!r}")
+        rep, (lo, hi) = self.repetition_penalty, REPETITION_PENALTY_RANGE
+        if not _is_number(rep) or not lo <= rep <= hi:
+            raise DDTreeError(
+                f"repetition_penalty must be a finite number > 0 in [{lo:g}, {hi:g}], got {rep!r}"
+            )
+        bias, (lo, hi) = self.logit_bias, LOGIT_BIAS_RANGE
         pairs = list(bias.items()) if isinstance(bias, dict) else list(bias)
         for pair in pairs:
             if not (isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and _is_number(pair[1])):
                 raise DDTreeError(f"logit_bias maps token ids to numbers, got {pair!r}")
-            if not math.isfinite(pair[1]):
-                raise DDTreeError(f"logit_bias values must be finite, got {pair[1]!r} for token {pair[0]}")
+            if pair[0] < 0:
+                raise DDTreeError(f"logit_bias keys must be token ids >= 0, got {pair[0]}")
+            if not lo <= pair[1] <= hi:
+                raise DDTreeError(
+                    f"logit_bias values must be finite, in [{lo:g}, {hi:g}], "
+                    f"got {pair[1]!r} for token {pair[0]}"
+                )
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(v)) for t, v in pairs)))
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
             raise DDTreeError(
@@ -223,6 +249,8 @@ class SamplingParams:
         object.__setattr__(self, "bad_words", _strings(self.bad_words))
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise DDTreeError("bad_words must be non-blank strings")
+        for i, text in enumerate(self.bad_words):
+            check_text(f"bad_words[{i}]", text)
 
     @property
     def penalised(self) -> bool:
@@ -240,6 +268,22 @@ class SamplingParams:
     def greedy(self) -> bool:
         # As in vLLM: below 1e-5, logits / T overflows float32 and the limit distribution is the argmax.
         return self.temperature < GREEDY_BELOW
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Where ``text`` stops being Unicode a tokenizer can encode (a lone surrogate, JSON's ``"\\ud800"``), or
+    None when it is text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def check_text(name: str, text: str) -> None:
+    at = lone_surrogate(text)
+    if at is not None:
+        raise DDTreeError(f"{name} is not valid Unicode text: a lone surrogate at character {at}")
 
 
 def _strings(value: str | Sequence[str]) -> tuple[str, ...]:

@@ -11,32 +11,110 @@ beyond OpenAI's API are marked as such: ``top_k``, ``min_p``, ``ignore_eos``, ``
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from ddtree.params import MAX_BUDGET, METHODS
+from ddtree.engine.startup import Phase
+from ddtree.params import (
+    LOGIT_BIAS_RANGE,
+    MAX_BUDGET,
+    MAX_LOGPROBS,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    METHODS,
+    PENALTY_RANGE,
+    REPETITION_PENALTY_RANGE,
+    lone_surrogate,
+)
 
 MAX_N = 16  # choices per request; each is a whole generation on the one engine
 MAX_PROMPTS = 16  # prompts in one batched completions request
 MAX_STOP = 16
 MAX_MESSAGES = 2048  # as OpenAI; checked while parsing, before a model is built per message
-MAX_LOGPROBS = 20  # as ddtree.params.MAX_LOGPROBS
 MAX_TOOLS = 128  # as OpenAI
 MAX_LOGIT_BIAS = 1024  # tokens a request may bias
 MAX_BAD_WORDS = 128
-MAX_TOPK = 1 << 20
-INT64 = 1 << 63
+MAX_DRAFT_TOPK = 1 << 20
+INT64 = 1 << 63  # seeds: below 2**63, so seed + choice index stays in SamplingParams' range
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 Method = Literal[METHODS]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 _T = TypeVar("_T")
 Batch = Annotated[list[_T], Field(max_length=MAX_PROMPTS)]
+Penalty = Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False)]
+
+
+def _token_id_keys(bias: dict[str, float]) -> dict[str, float]:
+    """OpenAI's ``logit_bias`` keys: token ids written in ASCII digits (``str.isdigit`` would also take "²",
+    which ``int`` refuses, and "١", which it reads as 1). The vocabulary is checked with the model."""
+    for key in bias:
+        if not re.fullmatch(r"[0-9]+", key):
+            raise PydanticCustomError(
+                "token_id", "keys must be token ids in ASCII digits, got {key}", {"key": repr(key)}
+            )
+    return bias
+
+
+BiasValue = Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1], allow_inf_nan=False)]
+LogitBias = Annotated[dict[str, BiasValue], Field(max_length=MAX_LOGIT_BIAS), AfterValidator(_token_id_keys)]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Body(_Strict):
+    """A request body. Every string in it, down to free-form objects (schemas, template variables), must be
+    Unicode text: a lone surrogate (JSON's ``"\\ud800"``) would fail the tokenizer, a chat template or the
+    answer's encoding as a 500; it is a 400 naming the field instead."""
+
+    @model_validator(mode="after")
+    def _text_only(self) -> _Body:
+        found = _lone_surrogate_in(self)
+        if found is not None:
+            loc, text, at = found
+            error = PydanticCustomError(
+                "invalid_text",
+                "Input should be valid Unicode text, without lone surrogates (one at character {at})",
+                {"at": at},
+            )
+            raise ValidationError.from_exception_data(
+                type(self).__name__, [InitErrorDetails(type=error, loc=loc, input=text)]
+            )
+        return self
+
+
+def _lone_surrogate_in(body: BaseModel) -> tuple[tuple[str | int, ...], str, int] | None:
+    """A string of ``body`` that is not Unicode text, if any: its location (as pydantic's error ``loc``), the
+    string and where its lone surrogate is; None when there is none. Iterative: objects may nest deep."""
+    stack: list[tuple[tuple[str | int, ...], object]] = [((), body)]
+    while stack:
+        loc, value = stack.pop()
+        if isinstance(value, str):
+            at = lone_surrogate(value)
+            if at is not None:
+                return loc, value, at
+        elif isinstance(value, BaseModel):
+            fields = type(value).model_fields
+            stack += [(loc + (field.alias or name,), getattr(value, name)) for name, field in fields.items()]
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack += [(loc + (key,), key), (loc + (key,), item)]
+        elif isinstance(value, list):
+            stack += [(loc + (i,), item) for i, item in enumerate(value)]
+    return None
 
 
 # -- requests -----------------------------------------------------------------------------------------
@@ -49,7 +127,7 @@ class SpeculativeOptions(_Strict):
     budget: Annotated[int, Field(ge=1, le=MAX_BUDGET)] | Literal["auto"] | None = Field(
         None, description="draft tree nodes per round, or 'auto' (chosen per round)"
     )
-    topk: int | None = Field(None, ge=1, le=MAX_TOPK, description="cap on candidates per tree depth")
+    topk: int | None = Field(None, ge=1, le=MAX_DRAFT_TOPK, description="cap on candidates per tree depth")
 
 
 class StreamOptions(_Strict):
@@ -67,16 +145,18 @@ class StructuredOutputsRequest(_Strict):
     disable_any_whitespace: bool | None = Field(None, description="json: only json.dumps' whitespace")
 
 
-class GenerationRequest(_Strict):
+class GenerationRequest(_Body):
     """Fields completions and chat share. ``None`` always means "the default"."""
 
     model: str | None = Field(None, description="must name the served model; omitted = the served one")
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(
-        None, ge=0, allow_inf_nan=False, description="0 (or below 1e-5) = greedy decoding"
+        None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False, description="0 (or below 1e-5) = greedy decoding"
     )
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    top_k: int | None = Field(None, ge=-1, description="extension; 0 or -1 = off")
+    top_k: int | None = Field(
+        None, ge=-1, le=MAX_TOP_K, description="extension; 0 or -1 = off, above the vocabulary = off"
+    )
     min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False, description="extension; 0 = off")
     n: int | None = Field(None, ge=1, le=MAX_N, description="independent choices; seeded ones use seed + i")
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
@@ -87,13 +167,17 @@ class GenerationRequest(_Strict):
     speculative: bool | SpeculativeOptions | None = Field(
         None, description="extension: false = plain decoding (method ar); an object picks method/budget/topk"
     )
-    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
-    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = Field(
-        None, max_length=MAX_LOGIT_BIAS, description="token id (as a string) -> logit added, in [-100, 100]"
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = Field(
+        None, description="token id (as a string) -> logit added, in [-100, 100]"
     )
     repetition_penalty: float | None = Field(
-        None, gt=0, allow_inf_nan=False, description="vLLM's extension: > 1 discourages seen tokens"
+        None,
+        ge=REPETITION_PENALTY_RANGE[0],
+        le=REPETITION_PENALTY_RANGE[1],
+        allow_inf_nan=False,
+        description="vLLM's extension: > 1 discourages seen tokens",
     )
     min_tokens: int | None = Field(
         None, ge=0, description="vLLM's extension: no EOS, stop token or stop string before this many tokens"
@@ -416,6 +500,9 @@ class Identity(BaseModel):
     instance_id: str
     started_at: str = Field(description="ISO 8601, UTC")
     uptime_seconds: float
+    phase: Phase | None = Field(
+        None, description="while loading or warming: the start-up phase running (none once ready)"
+    )
 
 
 class Health(Identity):
@@ -429,7 +516,7 @@ class NotReady(ErrorResponse, Identity):
     only the error says how the server is)."""
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Body):
     """``POST /tokenize`` (vLLM's): a ``prompt``, or ``messages`` rendered as chat renders them."""
 
     model: str | None = None
@@ -447,7 +534,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
 

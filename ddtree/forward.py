@@ -19,6 +19,7 @@ Two attention kinds (``docs/design.md``):
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Callable
 
@@ -97,6 +98,21 @@ class TargetForward:
             self.num_heads = attn.q_proj.weight.shape[0] // self.head_dim
             self.num_kv_heads = attn.k_proj.weight.shape[0] // self.head_dim
             self.layout = KVLayout.gqa(self.num_kv_heads, self.head_dim)
+
+    def over(self, layers: list[int]) -> TargetForward:
+        """This forward over only the decoder layers ``layers`` (the memory profile's representatives)."""
+        part = copy.copy(self)
+        part.layers = [self.layers[i] for i in layers]
+        return part
+
+    def representative_layers(self) -> list[int]:
+        """The first layer of each kind (attention and MLP classes: a DeepSeek's dense first layers and
+        its MoE ones): every layer of a kind holds the same transient memory, so a step's peak over all the
+        layers is its peak over these."""
+        kinds: dict[tuple[type, type], int] = {}
+        for i, layer in enumerate(self.layers):
+            kinds.setdefault((type(layer.self_attn), type(layer.mlp)), i)
+        return sorted(kinds.values())
 
     def gathered_bytes_per_column(self, elem: int, absorbed: bool = False) -> int:
         """Transient bytes per context column a row's attention builds: the gathered GQA keys/values and the

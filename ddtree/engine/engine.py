@@ -36,6 +36,7 @@ import torch
 from ddtree.budget import CostModel
 from ddtree.config import EngineConfig
 from ddtree.drafter import DFlashDrafter
+from ddtree.engine import startup
 from ddtree.engine.auto_budget import AutoBudget
 from ddtree.engine.block_manager import BlockManager
 from ddtree.engine.clock import StageClock
@@ -216,24 +217,26 @@ class Engine:
         tp, max_model_len = config.tensor_parallel_size, config.max_model_len
         check_world(tp, device)
         channel = None
-        if tp > 1:
-            target, tokenizer, channel = start_tensor_parallel(
-                target_dir, dtype, device, max_model_len, tp, trust_remote_code
-            )
-            device = channel.device
-        else:
-            target, tokenizer = load_target(
-                target_dir,
-                device=device,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                trust_remote_code=trust_remote_code,
-            )
+        with startup.phase("weights"):
+            if tp > 1:
+                target, tokenizer, channel = start_tensor_parallel(
+                    target_dir, dtype, device, max_model_len, tp, trust_remote_code
+                )
+                device = channel.device
+            else:
+                target, tokenizer = load_target(
+                    target_dir,
+                    device=device,
+                    dtype=dtype,
+                    max_model_len=max_model_len,
+                    trust_remote_code=trust_remote_code,
+                )
         try:
             drafter = None
             if drafter_dir is not None:
                 dtype = next(target.parameters()).dtype  # "auto" resolved
-                drafter = load_drafter(drafter_dir, max_model_len).to(device=device, dtype=dtype)
+                with startup.phase("weights"):
+                    drafter = load_drafter(drafter_dir, max_model_len).to(device=device, dtype=dtype)
             engine = cls(target, drafter, tokenizer, config, channel=channel)
         except BaseException:
             if channel is not None:
@@ -314,7 +317,7 @@ class Engine:
         runner = self.runner
         t = time.perf_counter()
         replays = 3 if self.device.type == "cuda" else 1  # CUDA graph trees record on the second call
-        with torch.inference_mode():
+        with torch.inference_mode(), startup.phase("compile"):
             for b, span in itertools.product(runner.batch_buckets, runner.span_buckets):
                 for n in runner.node_buckets:
                     batch = self.verifier.inputs([], None, shape=(b, n, span))

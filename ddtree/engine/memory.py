@@ -12,6 +12,7 @@ change; the model's own context is lowered to what fits.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from collections.abc import Callable
@@ -59,6 +60,7 @@ def peak_bytes(device: torch.device, step: Callable[[], object]) -> int | None:
         step()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
+    trim_heap()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # the peak resident set starts again from the current one
@@ -67,6 +69,15 @@ def peak_bytes(device: torch.device, step: Callable[[], object]) -> int | None:
         return max(0, _status_kib("VmHWM") - before) * 1024
     except (OSError, KeyError, ValueError):
         return None
+
+
+def trim_heap() -> None:
+    """Hand the heap's free memory back to the system (glibc's ``malloc_trim``), so a step measured next
+    grows the resident set by what it holds, not by less because it reuses what an earlier one freed."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the measure may read low, as before
+        pass
 
 
 def _status_kib(field: str) -> int:

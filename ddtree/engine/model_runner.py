@@ -37,6 +37,7 @@ from ddtree.capture import (
 )
 from ddtree.config import EngineConfig
 from ddtree.drafter import DFlashDrafter
+from ddtree.engine import startup
 from ddtree.engine.memory import CacheConfig, KVPlan, activation_bytes, gib, peak_bytes, plan_kv
 from ddtree.engine.request import Request
 from ddtree.engine.step_channel import StepChannel, close_channel, replicated
@@ -48,6 +49,12 @@ from ddtree.tree import beam_tree
 from ddtree.verify import greedy_verdicts, tree_inputs
 
 log = logging.getLogger(__name__)
+
+PROFILE_ROWS = 2  # a reduced profile's round runs this many rows, its peak scaled to the real count
+# A reduced profile's peak is budgeted at MARGIN x measured + SLACK: the resident set also grows with the
+# layers left out (heap fragmentation: Qwen3-0.6B's shapes, 28 layers, 40,960 columns: reduced 3.87 GiB,
+# full 4.72 GiB, 1.22x) and reads +-20 MiB at small shapes (the built-in pair: up to 1.75x at 36 MiB).
+PROFILE_MARGIN, PROFILE_SLACK = 1.5, 64 << 20
 
 
 def fast_low_precision(device: torch.device) -> torch.dtype:
@@ -168,21 +175,29 @@ class ModelRunner:
         if pool is None:
             args = (cache_config, self.device, self.block_bytes, width)
             plan = plan_kv(*args, activations, max_num_seqs, max_model_len, explicit_len)
-            # Measure the largest step and plan with its peak (vLLM's profiling run): always on an
-            # accelerator (milliseconds there), on a CPU only where the share decides the pool (minutes at
-            # real sizes on a few cores; where every request's context fits, no measurement changes the
-            # pool). Not under tensor parallelism: the other ranks would have to join its collectives
-            # before they exist.
+            # Measure the largest step and plan with its peak (vLLM's profiling run): in full on an
+            # accelerator (milliseconds there), reduced on a CPU (seconds; the full steps take minutes at
+            # real size on a few cores) and there only where the share decides the pool (where every
+            # request's context fits, no measurement changes it). Not under tensor parallelism: the other
+            # ranks would have to join its collectives before they exist.
             measure = self.device.type != "cpu" or plan.share_bound
             if measure and cache_config.kv_cache_memory is None and channel is None:
                 step = (max_num_batched_tokens, max_num_seqs, max_nodes, width(plan.max_model_len))
-                peak = self.profile_step(layouts[0], *step)
+                reduced = self.device.type == "cpu"
+                t0 = time.perf_counter()
+                with startup.phase("profile"):
+                    peak = self.profile_step(layouts[0], *step, reduced=reduced)
                 if peak is not None:
                     log.info(
-                        "profiled the largest step (%d-token prefill, %d rows x %d nodes, %d columns): "
-                        "%s at its peak (estimated %s)",
+                        "profiled the largest step (%d-token prefill, %d rows x %d nodes, %d columns%s) in "
+                        "%.1f s: %s at its peak (estimated %s); the KV cache gets the memory share less it",
                         *step[:3],
                         step[3] * bs,
+                        f"; one layer of each kind, {PROFILE_ROWS} rows scaled, x{PROFILE_MARGIN} + "
+                        f"{gib(PROFILE_SLACK)}"
+                        if reduced
+                        else "",
+                        time.perf_counter() - t0,
                         gib(peak),
                         gib(activations(plan.max_model_len)),
                     )
@@ -386,42 +401,60 @@ class ModelRunner:
             self.block_masks[key] = PagedBlockMask(cache, tables.shape[0], queries, self.device)
         return self.block_masks[key].update(tables, starts, tree)
 
-    def profile_step(self, layout: tuple, tokens: int, rows: int, nodes: int, width: int) -> int | None:
+    def profile_step(
+        self, layout: tuple, tokens: int, rows: int, nodes: int, width: int, reduced: bool = False
+    ) -> int | None:
         """Peak bytes of the largest steps this configuration allows (``memory.peak_bytes``): a prefill
         chunk of ``tokens`` tokens ending at the last of ``width`` blocks, and a round of ``rows`` trees of
         ``nodes`` nodes there with every node's float32 distribution sorted (what the sampling filters
         hold). They run over a one-block pool every table entry points to: the shapes and kernels of a
-        full pool, without its bytes."""
-        num_layers, kv_layout, dtype = layout
+        full pool, without its bytes.
+
+        ``reduced`` (a CPU, where the full steps of a real-size model take minutes): the steps run through
+        one layer of each kind (``TargetForward.representative_layers``: the same transient memory as all
+        of them, which run one after the other) and the round at ``PROFILE_ROWS`` rows, its peak scaled to
+        ``rows`` (every byte of a round's transient memory belongs to a row; what is not, scaled too, only
+        overestimates); the drafter features of the layers left out are added as computed, and the result
+        is budgeted with ``PROFILE_MARGIN`` and ``PROFILE_SLACK``."""
+        _, kv_layout, dtype = layout
         device, bs = self.device, self.block_size
-        span = width * bs
-        cache = PagedKVCache(num_layers, 1, bs, width, kv_layout, dtype, device)
-        tables = torch.zeros(rows, width + 1, dtype=torch.int64, device=device)  # [B, W + 1], all block 0
-        keys = torch.arange(span, device=device)  # [span]
+        forward = self.forward
         feature_layers = self.drafter.target_layer_ids if self.drafter is not None else None
+        measured_rows, dropped = rows, 0
+        if reduced:
+            forward = forward.over(forward.representative_layers())
+            measured_rows = min(rows, PROFILE_ROWS)
+            if feature_layers is not None:  # the kept outputs of all but one feature layer
+                dropped = (len(feature_layers) - 1) * tokens * self.target.config.hidden_size * dtype.itemsize
+                feature_layers = [len(forward.layers) - 1] * len(feature_layers)
+        span = width * bs
+        cache = PagedKVCache(len(forward.layers), 1, bs, width, kv_layout, dtype, device)
+        tables = torch.zeros(
+            measured_rows, width + 1, dtype=torch.int64, device=device
+        )  # [B, W + 1]: block 0
+        keys = torch.arange(span, device=device)  # [span]
 
         def prefill() -> None:
             positions = keys[max(span - tokens, 0) :][None]  # [1, P]
             mask = (keys <= positions[:, :, None])[:, None]  # [1, 1, P, span]
             write = cache.at(tables[:1], positions, span)
-            hidden, _ = self.forward(
-                torch.zeros_like(positions), positions, write, mask, feature_layers, False
-            )
+            hidden, _ = forward(torch.zeros_like(positions), positions, write, mask, feature_layers, False)
             self.lm_head(hidden[:, -1])
 
         def round_() -> None:
-            positions = keys[max(span - nodes, 0) :][None].expand(rows, -1)  # [B, N]
+            positions = keys[max(span - nodes, 0) :][None].expand(measured_rows, -1)  # [B, N]
             starts = positions[:, 0]  # [B]
-            anc = torch.ones(rows, nodes, nodes, dtype=torch.bool, device=device).tril()  # [B, N, N] a chain
+            anc = torch.ones(measured_rows, nodes, nodes, dtype=torch.bool, device=device).tril()  # [B, N, N]
             write = cache.at(tables, positions, span)
-            hidden, _ = self.forward(
-                torch.zeros_like(positions), positions, write, tree_mask(starts, anc, span)
-            )
+            hidden, _ = forward(torch.zeros_like(positions), positions, write, tree_mask(starts, anc, span))
             torch.softmax(self.lm_head(hidden).float(), dim=-1).sort(dim=-1)  # [B, N, V] x 3
 
         with torch.inference_mode():
-            peaks = [peak_bytes(device, step) for step in (prefill, round_)]
-        return None if None in peaks else max(peaks)
+            first, widest = (peak_bytes(device, step) for step in (prefill, round_))
+        if first is None or widest is None:
+            return None
+        peak = max(first + dropped, -(-widest * rows // measured_rows))
+        return int(PROFILE_MARGIN * peak) + PROFILE_SLACK if reduced else peak
 
     @replicated
     def verify(

@@ -82,6 +82,7 @@ class ServerState:
             instance_id=self.instance_id,
             started_at=datetime.fromtimestamp(self.started_at, UTC).isoformat(),
             uptime_seconds=round(time.time() - self.started_at, 3),
+            phase=self.worker.phase if self.worker.progress is not None else None,
         )
 
     def not_ready(self) -> APIError | None:
@@ -91,6 +92,8 @@ class ServerState:
         message, code = NOT_READY[self.worker.state]
         if self.worker.load_error:
             message = f"{message}: {self.worker.load_error}"
+        elif self.worker.progress is not None:
+            message = f"{message} ({self.worker.progress})"
         return APIError(
             503, message, "service_unavailable", None, code, {"Retry-After": str(self.config.retry_after)}
         )

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import torch
 
+from ddtree.engine import startup
 from ddtree.engine.step_channel import TensorParallelError
 from ddtree.errors import RequestFailed
 from ddtree.server.generation import EngineRow, RowDelta, ServedModel, Started
@@ -114,6 +115,8 @@ class EngineWorker:
         self.on_engine_failed = on_engine_failed  # the engine died after loading (a tensor-parallel rank)
         self.step_delay = step_delay  # a test hook: seconds to sleep before each step (a slow model)
         self.state: State = "loading"
+        self.phase: startup.Phase | None = None  # the start-up phase running
+        self.phase_started = time.monotonic()
         self.load_error: str | None = None
         self.engine: ServedModel | None = None
         self._commands: deque[tuple[str, Job, tuple[str, ...]]] = deque()  # consumed between steps
@@ -199,15 +202,27 @@ class EngineWorker:
         if self.on_engine_failed is not None:
             self.on_engine_failed(reason)
 
+    def _entered(self, phase: startup.Phase) -> None:
+        self.phase, self.phase_started = phase, time.monotonic()
+
+    @property
+    def progress(self) -> str | None:
+        """While loading: the start-up phase and how long it has run (``/ready``'s message)."""
+        if self.state not in ("loading", "warming") or self.phase is None:
+            return None
+        return f"{self.phase}, {time.monotonic() - self.phase_started:.0f} s so far"
+
     # -- the thread ---------------------------------------------------------------------------------------
 
     def _main(self) -> None:
         try:
-            model = self.engine_factory()  # a compiled engine compiles (and captures) every shape here
-            log_compile(model.engine)
-            self.state = "warming"
-            if self.warmup is not None:
-                self.warmup(model)
+            with startup.listening(self._entered):
+                model = self.engine_factory()  # a compiled engine compiles (and captures) every shape here
+                log_compile(model.engine)
+                self.state = "warming"
+                if self.warmup is not None:
+                    with startup.phase("warm-up"):
+                        self.warmup(model)
         except BaseException as exc:  # any load failure ends the server
             self.state = "failed"
             self.load_error = str(exc) or type(exc).__name__

@@ -1,0 +1,90 @@
+"""Start-up: ``/ready`` names the phase a loading server is in, and the CPU's reduced memory profile (one
+layer of each kind, two rows scaled) is an upper bound of the full largest step's peak.
+
+The peaks are resident-set measurements, each in a fresh process (an earlier step's freed heap would hide
+a later step's growth), of the built-in pair at shapes where the prefill dominates, the round dominates,
+and both matter.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from ddtree.engine import Engine, startup
+from ddtree.server import ServerConfig, create_app
+
+PROFILE = """
+import json, sys, torch
+torch.set_num_threads(1)
+from ddtree.engine import Engine
+engine = Engine.from_pretrained(kv_cache_memory="16MiB", max_model_len=2048)
+runner = engine.runner
+layout = (len(runner.forward.layers), runner.forward.layout, runner.dtype)
+shape, reduced = json.loads(sys.argv[1])
+print(runner.profile_step(layout, *shape, reduced=reduced))
+"""
+
+
+def peak(shape: tuple[int, int, int, int], reduced: bool) -> int:
+    out = subprocess.run(
+        [sys.executable, "-c", PROFILE, json.dumps([shape, reduced])],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (2048, 1, 257, 129),  # the prefill's 2048 x 2064 mask and activations dominate
+        (64, 16, 65, 129),  # the round's 16 x 65 distributions dominate
+        (1024, 8, 129, 129),  # both
+    ],
+    ids=["prefill", "round", "both"],
+)
+def test_the_reduced_profile_is_an_upper_bound_of_the_full_largest_steps_peak(shape):
+    """Tokens, rows, nodes, blocks of the largest step: the reduced profile's peak (with the margin the
+    engine adds on a CPU) is at least the full step's."""
+    full, reduced = peak(shape, False), peak(shape, True)  # reduced: budgeted, with the margin
+    assert reduced >= full, (reduced / 2**20, full / 2**20)
+
+
+def test_ready_names_the_start_up_phase_while_the_model_loads():
+    gates = {name: threading.Event() for name in ("weights", "profile")}
+
+    def factory() -> Engine:
+        for name, gate in gates.items():
+            with startup.phase(name):
+                gate.wait(30)
+        return Engine.from_pretrained()
+
+    client = TestClient(create_app(factory, ServerConfig(model_name="tiny")))
+    client.__enter__()
+    try:
+        for name, gate in gates.items():
+            deadline = time.monotonic() + 30
+            while (body := client.get("/ready").json()).get("phase") != name:
+                assert time.monotonic() < deadline, body
+                time.sleep(0.01)
+            assert body["error"]["code"] == "model_loading" and f"({name}, " in body["error"]["message"]
+            assert client.get("/health").json()["phase"] == name
+            gate.set()
+        deadline = time.monotonic() + 60
+        while (ready := client.get("/ready")).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert ready.json()["phase"] is None
+    finally:
+        for gate in gates.values():
+            gate.set()
+        client.__exit__(None, None, None)

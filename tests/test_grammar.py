@@ -1,18 +1,16 @@
 """Structured outputs' grammar side (``ddtree.grammar``): the masks a draft tree gets are, node by node,
-what a matcher fed that node's path allows; bad constraints are one-line errors."""
+what a matcher fed that node's path allows; bad constraints are one-line errors (a compile past the bound:
+``tests/test_grammar_isolation.py``)."""
 
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import numpy as np
 import pytest
 import torch
 import xgrammar as xgr
 
-from ddtree import grammar
 from ddtree.errors import DDTreeError
 from ddtree.grammar import GrammarCompiler, apply_masks
 from ddtree.models import DEFAULT_TARGET, load_tokenizer
@@ -141,47 +139,3 @@ def test_a_schema_given_as_an_object_or_its_text_is_the_same_constraint():
     assert StructuredOutputs.of_schema(SCHEMA) == StructuredOutputs.of_schema(
         json.dumps(SCHEMA, sort_keys=True)
     )
-
-
-def test_compiling_past_the_time_bound_is_one_line_and_the_compiler_still_works(compiler, monkeypatch):
-    schema = {"type": "object", "properties": {f"f{i}": {"type": "string"} for i in range(40)}}
-    release = threading.Event()
-    compile_ = compiler._compile
-
-    def slow(spec):  # a compile that outlasts the bound whatever the machine's speed
-        if spec.json is not None:
-            release.wait(30)
-        return compile_(spec)
-
-    monkeypatch.setattr(compiler, "_compile", slow)
-    monkeypatch.setattr(grammar, "COMPILE_SECONDS", 0.05)
-    try:
-        with pytest.raises(DDTreeError, match="did not compile within") as info:
-            compiler.compile(StructuredOutputs.of_schema(schema))
-        assert "\n" not in str(info.value)
-        monkeypatch.setattr(grammar, "COMPILE_SECONDS", 10.0)
-        assert compiler.compile(CONSTRAINTS["regex"]) is not None  # on a fresh thread, beside the slow one
-    finally:
-        release.set()
-
-
-def test_a_compile_stuck_past_the_bound_does_not_hold_the_next_ones(compiler, monkeypatch):
-    """The timed-out compile keeps running in its thread; the next constraint compiles at once beside it."""
-    release = threading.Event()
-    compile_ = compiler._compile
-
-    def stuck(spec):
-        if spec.regex == "stuck":
-            release.wait(30)
-        return compile_(spec)
-
-    monkeypatch.setattr(compiler, "_compile", stuck)
-    monkeypatch.setattr(grammar, "COMPILE_SECONDS", 0.2)
-    try:
-        with pytest.raises(DDTreeError, match="did not compile within"):
-            compiler.compile(StructuredOutputs(regex="stuck"))
-        t = time.perf_counter()
-        assert compiler.compile(CONSTRAINTS["choice"]) is not None
-        assert time.perf_counter() - t < 0.2  # it did not wait behind the stuck one
-    finally:
-        release.set()

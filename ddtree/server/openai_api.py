@@ -141,7 +141,15 @@ async def _answer(
     metrics, config = state.metrics, state.config
     check_plan(plan, model.max_positions, state.token_chars, config.limits)
     if plan.params.structured_outputs is not None:  # compiled here (cached), never on the engine thread
-        await asyncio.to_thread(engine.check_structured_outputs, plan.params.structured_outputs)
+        from ddtree.grammar import CompilesFull  # xgrammar: loaded by the engine for this request anyway
+
+        try:
+            await asyncio.to_thread(engine.check_structured_outputs, plan.params.structured_outputs)
+        except CompilesFull as exc:
+            headers = {"Retry-After": str(config.retry_after)}
+            raise APIError(
+                429, str(exc), "rate_limit_error", None, "grammar_compiles_full", headers
+            ) from None
     # Chat template and tokenizer run here, in the event loop's thread pool: never on the engine thread.
     rows_id = uuid.uuid4().hex  # its engine rows are "<rows_id>-<choice>"
     generation = await asyncio.to_thread(Generation, model, plan, metrics, rows_id)

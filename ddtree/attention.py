@@ -94,6 +94,14 @@ def attend(
     if isinstance(mask, BlockMask):
         return flex(q, keys, values, mask, scale)
     keys, values, gqa = sdpa_operands(keys, values, q.shape[1], mask is not None, q.device.type)
+    v = values.shape[-1]
+    if q.device.type == "cpu" and v != q.shape[-1]:
+        # The CPU's fused SDPA kernel needs values as wide as the queries (MLA: 128 against 192); without
+        # it the math kernel holds float32 scores, [B, heads, T, S] several times over (34 GB for a
+        # 2,048-token prefill over 65,536 columns at Kimi K2's 64 heads). Zero columns change no output.
+        values = F.pad(values, (0, q.shape[-1] - v))
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return out[..., :v]
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
@@ -135,6 +143,9 @@ def attend_latent(
     if isinstance(mask, BlockMask):
         return flex(q, keys, values, mask, scale)
     folded = q.reshape(b, 1, heads * t, d)  # [B, 1, heads * T, rank + rope]
+    if q.device.type == "cpu":  # the latent as values: equal head dims keep the CPU's fused kernel (below)
+        out = F.scaled_dot_product_attention(folded, keys, keys, attn_mask=mask, scale=scale)[..., :rank]
+        return out.reshape(b, heads, t, rank)
     out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
     return out.view(b, heads, t, rank)
 

@@ -54,7 +54,7 @@ def write_pair(name: str, root: Path) -> list[str]:
         num_experts_per_tok=2,
         n_group=1,
         topk_group=1,
-        max_position_embeddings=16384,
+        max_position_embeddings=262144,  # Kimi K2.5 / K2.6's context
         eos_token_id=0,
     )
     torch.manual_seed(0)
@@ -65,7 +65,16 @@ def write_pair(name: str, root: Path) -> list[str]:
     for extra in ("tokenizer_config.json", "special_tokens_map.json"):
         if (root / "tok" / "target" / extra).exists():
             (root / "kimi" / extra).write_text((root / "tok" / "target" / extra).read_text())
-    return ["--target", str(root / "kimi")]
+    return ["--target", str(root / "kimi"), "--method", "ar"]
+
+
+def ready_or_exit(url: str, proc: subprocess.Popen, log: Path) -> httpx.Response:
+    """``/ready``'s answer; the server's log if it exited instead."""
+    try:
+        return httpx.get(f"{url}/ready", timeout=10)
+    except httpx.TransportError:
+        proc.wait(10)
+        raise SystemExit(f"the server exited with {proc.returncode}:\n{log.read_text()}") from None
 
 
 def peak_rss_gib(pid: int) -> float:
@@ -99,8 +108,8 @@ def main() -> None:
                 assert proc.poll() is None, log.read_text()
                 time.sleep(0.05)
             url, phases = match.group(1), []
-            while (ready := httpx.get(f"{url}/ready", timeout=10)).status_code != 200:
-                assert proc.poll() is None and time.monotonic() - t0 < args.timeout, log.read_text()
+            while (ready := ready_or_exit(url, proc, log)).status_code != 200:
+                assert time.monotonic() - t0 < args.timeout, log.read_text()
                 phase = ready.json().get("phase")
                 if phase and (not phases or phases[-1] != phase):
                     phases.append(phase)

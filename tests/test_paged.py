@@ -90,7 +90,7 @@ def test_the_pool_grows_with_the_memory_share(models, monkeypatch):
     """Without --kv-cache-memory the pool is the share of the available memory less the activations: each
     extra tenth of it buys a tenth of the memory in blocks."""
     monkeypatch.setattr(memory, "available_memory", lambda device: (200 << 20, 200 << 20, "200 MiB"))
-    monkeypatch.setattr(model_runner.ModelRunner, "profile_step", lambda *args, **kw: 30 << 20)  # each run
+    monkeypatch.setattr(model_runner.ModelRunner, "extrapolated_peak", lambda *a: lambda blocks: 30 << 20)
     sizes = {u: engine(models, gpu_memory_utilization=u, max_model_len=4096).runner for u in (0.5, 0.6)}
     assert sizes[0.6].num_blocks - 1 < 16 * sizes[0.6].width  # below the cap: the share decides
     extra = (sizes[0.6].num_blocks - sizes[0.5].num_blocks) * sizes[0.5].block_bytes

@@ -17,6 +17,7 @@ import contextlib
 import copy
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -55,6 +56,7 @@ PROFILE_ROWS = 2  # a reduced profile's round runs this many rows, its peak scal
 # layers left out (heap fragmentation: Qwen3-0.6B's shapes, 28 layers, 40,960 columns: reduced 3.87 GiB,
 # full 4.72 GiB, 1.22x) and reads +-20 MiB at small shapes (the built-in pair: up to 1.75x at 36 MiB).
 PROFILE_MARGIN, PROFILE_SLACK = 1.5, 64 << 20
+PROFILE_BLOCKS = 128  # the reduced profile's shorter span (blocks; the longer is twice it), or an eighth
 
 
 def fast_low_precision(device: torch.device) -> torch.dtype:
@@ -186,23 +188,31 @@ class ModelRunner:
                 reduced = self.device.type == "cpu"
                 t0 = time.perf_counter()
                 with startup.phase("profile"):
-                    peak = self.profile_step(layouts[0], *step, reduced=reduced)
-                if peak is not None:
+                    if reduced:
+                        at_width = self.extrapolated_peak(layouts[0], *step)
+                    else:
+                        measured = self.profile_step(layouts[0], *step)
+                        at_width = None if measured is None else lambda blocks, p=measured: p
+                if at_width is not None:
+
+                    def peak(length: int) -> int:
+                        return at_width(width(length))
+
+                    plan = plan_kv(*args, peak, max_num_seqs, plan.max_model_len, explicit_len)
+                    self.profiled_activation_bytes = peak(plan.max_model_len)
                     log.info(
                         "profiled the largest step (%d-token prefill, %d rows x %d nodes, %d columns%s) in "
                         "%.1f s: %s at its peak (estimated %s); the KV cache gets the memory share less it",
                         *step[:3],
-                        step[3] * bs,
-                        f"; one layer of each kind, {PROFILE_ROWS} rows scaled, x{PROFILE_MARGIN} + "
-                        f"{gib(PROFILE_SLACK)}"
+                        width(plan.max_model_len) * bs,
+                        f"; one layer of each kind, {PROFILE_ROWS} rows, two short spans, extrapolated, "
+                        f"x{PROFILE_MARGIN} + {gib(PROFILE_SLACK)}"
                         if reduced
                         else "",
                         time.perf_counter() - t0,
-                        gib(peak),
+                        gib(self.profiled_activation_bytes),
                         gib(activations(plan.max_model_len)),
                     )
-                    self.profiled_activation_bytes = peak
-                    plan = plan_kv(*args, lambda length: peak, max_num_seqs, plan.max_model_len, explicit_len)
         else:
             plan = pool[0]
         self.num_blocks, self.max_model_len = plan.num_blocks, plan.max_model_len
@@ -401,6 +411,41 @@ class ModelRunner:
             self.block_masks[key] = PagedBlockMask(cache, tables.shape[0], queries, self.device)
         return self.block_masks[key].update(tables, starts, tree)
 
+    def extrapolated_peak(
+        self, layout: tuple, tokens: int, rows: int, nodes: int, width: int
+    ) -> Callable[[int], int] | None:
+        """A CPU's profile: the largest steps' budgeted peak as a function of the blocks they attend over.
+        The reduced profile (``profile_step(reduced=True)``) runs at two short spans, ``PROFILE_BLOCKS``
+        blocks (or an eighth of ``width``; at least what holds the steps' tokens) and twice that (or else
+        all of ``width``), and is extrapolated linearly (what grows with the columns, the masks and the
+        gathered keys and values, grows linearly), at least at the rate those bytes alone grow. Short spans
+        keep the profile from costing what the full steps cost (a 2,048-token prefill over a long context:
+        minutes) or needing the memory whose lack it is there to find, and let a plan lower
+        ``max_model_len`` knowing what each length costs. Budgeted at ``PROFILE_MARGIN`` x +
+        ``PROFILE_SLACK``."""
+        need = -(-max(tokens, nodes) // self.block_size) + 1  # blocks that hold the steps' own tokens
+        near = max(need, min(width // 8, PROFILE_BLOCKS))
+        far = 2 * near
+        if far >= width:
+            near = far = width
+        peaks = [self.profile_step(layout, tokens, rows, nodes, w, reduced=True) for w in (near, far)]
+        if None in peaks:
+            return None
+        # Per column, what a CPU's steps surely hold: the prefill's mask and gathered keys/values (MLA's
+        # expanded), the round's rows' masks and gathers (SDPA on a CPU takes GQA without expanding heads).
+        elem, forward = self.dtype.itemsize, self.forward
+        read = forward.layout.elements_per_token() * elem
+        per_column = max(
+            tokens + (forward.gathered_bytes_per_column(elem) if forward.mla else read),
+            rows * (nodes + read),
+        )
+        slope = max(per_column * self.block_size, (peaks[1] - peaks[0]) // max(far - near, 1))
+
+        def at_width(blocks: int) -> int:
+            return int(PROFILE_MARGIN * max(peaks[1] + slope * (blocks - far), 0)) + PROFILE_SLACK
+
+        return at_width
+
     def profile_step(
         self, layout: tuple, tokens: int, rows: int, nodes: int, width: int, reduced: bool = False
     ) -> int | None:
@@ -414,8 +459,8 @@ class ModelRunner:
         one layer of each kind (``TargetForward.representative_layers``: the same transient memory as all
         of them, which run one after the other) and the round at ``PROFILE_ROWS`` rows, its peak scaled to
         ``rows`` (every byte of a round's transient memory belongs to a row; what is not, scaled too, only
-        overestimates); the drafter features of the layers left out are added as computed, and the result
-        is budgeted with ``PROFILE_MARGIN`` and ``PROFILE_SLACK``."""
+        overestimates); the drafter features of the layers left out are added as computed
+        (``extrapolated_peak`` budgets the result)."""
         _, kv_layout, dtype = layout
         device, bs = self.device, self.block_size
         forward = self.forward
@@ -453,8 +498,7 @@ class ModelRunner:
             first, widest = (peak_bytes(device, step) for step in (prefill, round_))
         if first is None or widest is None:
             return None
-        peak = max(first + dropped, -(-widest * rows // measured_rows))
-        return int(PROFILE_MARGIN * peak) + PROFILE_SLACK if reduced else peak
+        return max(first + dropped, -(-widest * rows // measured_rows))
 
     @replicated
     def verify(

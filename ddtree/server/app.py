@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from ddtree.params import SamplingParams
 from ddtree.server.auth import APIKeyMiddleware
+from ddtree.server.body import BodyParser
 from ddtree.server.errors import APIError, error_body, install_error_handlers
 from ddtree.server.generation import ServedModel
 from ddtree.server.limits import BodySizeLimit, Limits, longest_token_chars
@@ -59,6 +60,7 @@ class ServerConfig:
     tool_call_parser: str | None = None  # ddtree.server.tool_parsers.TOOL_CALL_PARSERS
     reasoning_parser: str | None = None  # ddtree.server.reasoning.REASONING_PARSERS
     structured_outputs_in_reasoning: bool = False  # True: a grammar holds from the first token, reasoning too
+    start_body_parser: bool = False  # a large-body parse process starts with the app, not at the first one
 
 
 @dataclass
@@ -145,7 +147,10 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         worker.start()
+        if config.start_body_parser:
+            await app.state.body_parser.start()
         yield
+        await app.state.body_parser.close()
         await asyncio.to_thread(worker.stop, config.engine_stop_timeout)
 
     app = FastAPI(
@@ -154,6 +159,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.ddtree = state
+    app.state.body_parser = BodyParser()  # large bodies are read in its processes, off the event loop
     install_error_handlers(app)
     # The last added runs first: metrics see every answer; CORS answers preflights (which carry no key)
     # before the key check; the body is read, within its limit, only for a request with a valid key.

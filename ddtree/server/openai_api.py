@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 
 from ddtree.errors import DDTreeError
 from ddtree.params import SamplingParams, StructuredOutputs, lossy_threshold_fields
+from ddtree.server.body import LargeBodyRoute
 from ddtree.server.chat import message_dicts
 from ddtree.server.errors import APIError, invalid, unsupported
 from ddtree.server.events import EventStreamResponse, event_stream, job_items, job_pieces
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 429, 503, 504)}
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=LargeBodyRoute)
 log = logging.getLogger("ddtree.server")
 
 

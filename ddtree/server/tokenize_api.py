@@ -12,6 +12,7 @@ import asyncio
 from fastapi import APIRouter, Request
 
 import ddtree
+from ddtree.server.body import LargeBodyRoute
 from ddtree.server.chat import message_dicts, render_chat
 from ddtree.server.errors import invalid
 from ddtree.server.openai_api import ERRORS, check_model
@@ -23,7 +24,7 @@ from ddtree.server.protocol import (
     Version,
 )
 
-router = APIRouter(tags=["tokens"])
+router = APIRouter(tags=["tokens"], route_class=LargeBodyRoute)
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)

@@ -5,6 +5,7 @@ loading weights. SIGTERM (or Ctrl-C) stops accepting connections and lets every 
 or queued) finish for up to ``--shutdown-timeout`` seconds; what is still running then ends the OpenAI way
 (a JSON 503 ``shutting_down``, or for a stream an error event and ``data: [DONE]``). The exit code is 0 when
 every request finished, 1 when some had to be cut. A model that fails to load stops the server with exit 2.
+A signal at any other moment of ``serve`` (binding, loading, warming up) stops it the same way, with 0.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
+from typing import NoReturn
 
 import uvicorn
 from uvicorn.config import LOGGING_CONFIG
@@ -102,7 +105,36 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def run_app(app, sock: socket.socket, shutdown_timeout: float, level: str = "info", access_log: bool = False):
+class StopSignals:
+    """SIGTERM and SIGINT while uvicorn is not listening for them (before it starts, after it stops): each
+    is recorded and stops the server, instead of killing the process by the signal (uvicorn re-raises the
+    ones it caught once it has stopped: these handlers let the process exit normally then)."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.server: uvicorn.Server | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, sig: int, frame: FrameType | None) -> None:
+        self.received.append(sig)
+        if self.server is not None:
+            self.server.should_exit = True
+
+    def serving(self, server: uvicorn.Server) -> None:
+        """``server`` stops for a signal from now on (at once, after its start-up, for one received)."""
+        self.server = server
+        server.should_exit = bool(self.received)
+
+
+def run_app(
+    app,
+    sock: socket.socket,
+    shutdown_timeout: float,
+    level: str = "info",
+    access_log: bool = False,
+    signals: StopSignals | None = None,
+):
     """Serve ``app`` on ``sock`` until SIGTERM/SIGINT; returns the server once it has stopped (``cut``: the
     requests its shutdown had to end)."""
     config = uvicorn.Config(
@@ -115,12 +147,22 @@ def run_app(app, sock: socket.socket, shutdown_timeout: float, level: str = "inf
     )
     server = DrainingServer(config, app, shutdown_timeout)
     app.state.uvicorn = server
-    # uvicorn re-raises the signal it caught once it has shut down; with these no-op handlers the process
-    # then exits normally (0) instead of dying by the signal.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
+    (signals or StopSignals()).serving(server)
     server.run(sockets=[sock])
     return server
+
+
+def exit_process(code: int) -> NoReturn:
+    """Exit with ``code``. While a thread still runs (a model load cannot be interrupted, nor an engine
+    step), the interpreter's exit would destroy torch's C++ state under it and abort the process
+    ("terminate called without an active exception", SIGABRT): then the logs are flushed and the process
+    ends at once, without that teardown."""
+    if any(thread.is_alive() for thread in threading.enumerate() if thread is not threading.main_thread()):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def check_parser_flags(args: argparse.Namespace) -> None:
@@ -147,6 +189,7 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
         if getattr(args, flag) < 1:
             raise DDTreeError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     check_parser_flags(args)
+    signals = StopSignals()  # from here on a signal stops the server cleanly, whatever it is doing
     keys = api_keys(args.api_key, os.environ)
     if args.target is not None:
         check_model_dir(args.target, "target")
@@ -192,18 +235,20 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
+        start_body_parser=True,
     )
     app = create_app(load, config, on_load_failed=load_failed, on_engine_failed=engine_failed)
-    server = run_app(app, sock, args.shutdown_timeout, args.log_level, args.access_log)
+    server = run_app(app, sock, args.shutdown_timeout, args.log_level, args.access_log, signals)
     if failures:
         raise DDTreeError(f"cannot serve: {failures[0]}")
     if died:
         print(f"ddtree serve: the engine stopped: {died[0]}", file=sys.stderr)
-        sys.exit(EXIT_ENGINE_FAILED)
+        exit_process(EXIT_ENGINE_FAILED)
     if server.cut:
         print(
             f"ddtree serve: {server.cut} request(s) did not finish within --shutdown-timeout "
             f"{args.shutdown_timeout:g} s and ended with a shutting_down error",
             file=sys.stderr,
         )
-        sys.exit(EXIT_REQUESTS_CUT)
+        exit_process(EXIT_REQUESTS_CUT)
+    exit_process(0)

@@ -48,6 +48,9 @@ if TYPE_CHECKING:
     from ddtree.server.app import ServerConfig
 
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 429, 503, 504)}
+# ``stream: true``: one server-sent event per chunk (its ``data`` a chunk object as JSON), then ``[DONE]``
+EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+STREAMED = {200: {"content": {"text/event-stream": {"schema": EVENT}}}}
 
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=LargeBodyRoute)
 log = logging.getLogger("ddtree.server")
@@ -64,7 +67,7 @@ def get_model(model_id: str, request: Request) -> ModelCard:
     return _card(request)
 
 
-@router.post("/completions", response_model=Completion, responses=ERRORS)
+@router.post("/completions", response_model=Completion, responses=ERRORS | STREAMED)
 async def create_completion(body: CompletionRequest, request: Request):
     """Continue a prompt (text or token ids; a batch gives ``len(prompt) * n`` choices)."""
     start = time.perf_counter()
@@ -90,7 +93,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     return await _answer(request, plan, answer, bool(body.stream), start)
 
 
-@router.post("/chat/completions", response_model=ChatCompletion, responses=ERRORS)
+@router.post("/chat/completions", response_model=ChatCompletion, responses=ERRORS | STREAMED)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     """Answer a conversation, rendered by the tokenizer's chat template or the plain fallback."""
     start = time.perf_counter()

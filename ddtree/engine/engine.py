@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ddtree import startup
 from ddtree.budget import CostModel
 from ddtree.config import EngineConfig
 from ddtree.drafter import DFlashDrafter
-from ddtree.engine import startup
 from ddtree.engine.auto_budget import AutoBudget
 from ddtree.engine.block_manager import BlockManager
 from ddtree.engine.clock import StageClock

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from ddtree import capture
+from ddtree import capture, startup
 from ddtree.attention import PagedBlockMask
 from ddtree.capture import (
     StaticInputs,
@@ -38,7 +38,6 @@ from ddtree.capture import (
 )
 from ddtree.config import EngineConfig
 from ddtree.drafter import DFlashDrafter
-from ddtree.engine import startup
 from ddtree.engine.memory import CacheConfig, KVPlan, activation_bytes, gib, peak_bytes, plan_kv
 from ddtree.engine.request import Request
 from ddtree.engine.step_channel import StepChannel, close_channel, replicated

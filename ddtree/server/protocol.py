@@ -25,7 +25,6 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from ddtree.engine.startup import Phase
 from ddtree.params import (
     LOGIT_BIAS_RANGE,
     MAX_BUDGET,
@@ -37,6 +36,7 @@ from ddtree.params import (
     REPETITION_PENALTY_RANGE,
     lone_surrogate,
 )
+from ddtree.startup import Phase
 
 MAX_N = 16  # choices per request; each is a whole generation on the one engine
 MAX_PROMPTS = 16  # prompts in one batched completions request
@@ -112,8 +112,8 @@ def _lone_surrogate_in(body: BaseModel) -> tuple[tuple[str | int, ...], str, int
         elif isinstance(value, dict):
             for key, item in value.items():
                 stack += [(loc + (key,), key), (loc + (key,), item)]
-        elif isinstance(value, list):
-            stack += [(loc + (i,), item) for i, item in enumerate(value)]
+        elif isinstance(value, list):  # token ids (up to millions) hold no text: no location made for them
+            stack += [(loc + (i,), v) for i, v in enumerate(value) if not isinstance(v, (int, float))]
     return None
 
 

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import torch
 
-from ddtree.engine import startup
+from ddtree import startup
 from ddtree.engine.step_channel import TensorParallelError
 from ddtree.errors import RequestFailed
 from ddtree.server.generation import EngineRow, RowDelta, ServedModel, Started

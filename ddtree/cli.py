@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -227,9 +229,18 @@ def _serve(args: argparse.Namespace) -> None:
     serve(args, engine_from_args)
 
 
+def _exit_cleanly(sig: int, frame: object) -> None:
+    """Nothing started yet: exit 0 at once (a normal exit in the middle of importing torch can abort)."""
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)  # --help and argument errors end here, before any model code
+        if args.command == "serve":  # stopped while it imports: a clean exit (serve's own handlers follow)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, _exit_cleanly)
         quiet_transformers()
         if getattr(args, "tensor_parallel_size", 1) > 1:
             from ddtree.engine.rank_worker import torchrun_rank

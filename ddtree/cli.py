@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from ddtree import __version__
 from ddtree.argparsing import Parser, add_load_options, apply_threads, check_threads
@@ -141,9 +142,9 @@ def engine_from_args(args: argparse.Namespace):
     )
 
 
-def serve_torchrun_rank(args: argparse.Namespace) -> None:
+def serve_torchrun_rank(args: argparse.Namespace) -> NoReturn:
     """A torchrun rank other than 0: load this rank's shard of the target the flags name, then run rank
-    0's steps until it stops."""
+    0's steps until it stops, and end the process."""
     from ddtree.engine.rank_worker import ShardSpec, run_torchrun_worker
     from ddtree.models import DEFAULT_TARGET
 
@@ -248,13 +249,25 @@ def main(argv: list[str] | None = None) -> None:
             launched = torchrun_rank()
             if launched is not None and launched[0] != 0:
                 serve_torchrun_rank(args)  # torchrun's other ranks: no port, no output, rank 0's steps
-                return
         args.func(args)
     except DDTreeError as exc:
         print(f"ddtree: error: {exc}", file=sys.stderr)
+        leave_tensor_parallel(2)
         sys.exit(2)
     except KeyboardInterrupt:
+        leave_tensor_parallel(130)
         sys.exit(130)
+    leave_tensor_parallel(0)
+
+
+def leave_tensor_parallel(code: int) -> None:
+    """A process that ran tensor-parallel ranks ends here with ``code``, without the interpreter's teardown
+    (``exit_after_group``: gloo's threads would abort it); any other process goes on."""
+    if "ddtree.engine.step_channel" in sys.modules:
+        from ddtree.engine.step_channel import exit_after_group, joined_group
+
+        if joined_group():
+            exit_after_group(code)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -26,8 +27,10 @@ from ddtree.engine.step_channel import (
     StepChannel,
     TensorParallelError,
     connect,
+    exit_after_group,
     first_line,
     injected_failure,
+    leave_group,
 )
 from ddtree.errors import DDTreeError
 
@@ -113,7 +116,7 @@ def load_shard(spec: ShardSpec, rank: int, world_size: int, device: torch.device
     return target
 
 
-def spawned_rank_main(rank: int, world_size: int, init_method: str, spec: ShardSpec, pipe) -> None:
+def spawned_rank_main(rank: int, world_size: int, init_method: str, spec: ShardSpec, pipe) -> NoReturn:
     """A spawned rank: load and shard the target, say so to rank 0, join, serve its steps."""
     torch.set_num_threads(spec.threads)
     quiet_loading()
@@ -128,20 +131,26 @@ def spawned_rank_main(rank: int, world_size: int, init_method: str, spec: ShardS
     serve_rank(target, rank, world_size, device, init_method)
 
 
-def serve_rank(target, rank: int, world_size: int, device: torch.device, init_method: str) -> None:
-    """A rank other than 0, its shard loaded: join the group and serve rank 0's steps until ``stop``."""
+def serve_rank(target, rank: int, world_size: int, device: torch.device, init_method: str) -> NoReturn:
+    """A rank other than 0, its shard loaded: join the group, serve rank 0's steps until ``stop``, and end
+    the process (``exit_after_group``: 0 when stopped, 1 when this rank or rank 0 failed)."""
     channel = connect(rank, world_size, device, init_method)
     try:
         serve_steps(channel, lambda args: ModelRunner.worker(target, channel, *args))
     except TensorParallelError as exc:  # this rank failed in a step (reported to rank 0 too)
         print(f"ddtree: {exc}", file=sys.stderr)
-        sys.exit(1)
+        exit_after_group(1)
     except DDTreeError:  # an option rank 0 refuses too (it reports it): nothing to add
-        sys.exit(1)
+        exit_after_group(1)
     except RuntimeError as exc:  # rank 0 went away mid-collective
         print(f"ddtree: tensor-parallel rank {rank}: {first_line(exc)}", file=sys.stderr)
-        sys.exit(1)
-    dist.destroy_process_group()
+        exit_after_group(1)
+    try:
+        leave_group(channel)
+    except RuntimeError as exc:  # rank 0 went away after stop
+        print(f"ddtree: tensor-parallel rank {rank}: {first_line(exc)}", file=sys.stderr)
+        exit_after_group(1)
+    exit_after_group(0)
 
 
 def quiet_loading() -> None:
@@ -152,7 +161,7 @@ def quiet_loading() -> None:
     hf_logging.set_verbosity_error()
 
 
-def run_torchrun_worker(spec: ShardSpec) -> None:
+def run_torchrun_worker(spec: ShardSpec) -> NoReturn:
     """A torchrun rank other than 0: load its shard, join, serve rank 0's steps, exit with its status."""
     rank, world_size, local_rank = torchrun_rank()
     torch.set_num_threads(spec.threads)

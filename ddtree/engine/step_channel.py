@@ -23,11 +23,12 @@ import inspect
 import logging
 import os
 import pickle
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -263,6 +264,7 @@ def backend_for(device: torch.device) -> str:
 
 def connect(rank: int, world_size: int, device: torch.device, init_method: str) -> StepChannel:
     """Join the process group (every rank calls this) and open the step channel."""
+    _joined.append(rank)
     dist.init_process_group(
         backend_for(device), init_method=init_method, rank=rank, world_size=world_size, timeout=DATA_TIMEOUT
     )
@@ -280,6 +282,7 @@ def close_channel(channel: StepChannel) -> None:
     if not failed:
         try:
             channel.send(STOP, ())
+            dist.barrier(group=channel.control)  # paired with leave_group on every other rank
         except (RuntimeError, TensorParallelError) as exc:  # a rank is gone: nobody to tell
             failed = True
             log.warning("stopping the tensor-parallel ranks: %s", str(exc).splitlines()[0])
@@ -287,3 +290,32 @@ def close_channel(channel: StepChannel) -> None:
     if ranks is not None:
         ranks.close(0.0 if failed else 10.0)
     dist.destroy_process_group()
+
+
+def leave_group(channel: StepChannel) -> None:
+    """A rank other than 0, its loop stopped: meet rank 0 at a barrier, then leave the process group.
+
+    The barrier is a wait with the GIL released: gloo's worker threads free each finished operation's
+    tensors, which needs the GIL, so they do it here rather than race the interpreter's exit."""
+    dist.barrier(group=channel.control)
+    dist.destroy_process_group()
+
+
+_joined: list[int] = []  # this process's ranks in the groups it has joined (gloo's threads outlive them)
+
+
+def joined_group() -> bool:
+    """Whether this process has ever joined a process group (then it ends with ``exit_after_group``)."""
+    return bool(_joined)
+
+
+def exit_after_group(code: int) -> NoReturn:
+    """End a process that joined a gloo process group, its output flushed, without the interpreter's
+    teardown: a gloo worker thread that frees a finished operation's tensor takes the GIL, and one that
+    asks for it while the interpreter finalizes aborts the process ("terminate called without an active
+    exception", SIGABRT; pytorch/pytorch#190489). Destroying the group does not join those threads while
+    other objects (the target's layers, the engine) still hold it."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

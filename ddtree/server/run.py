@@ -155,13 +155,13 @@ def run_app(
 def exit_process(code: int) -> NoReturn:
     """Exit with ``code``. While a thread still runs (a model load cannot be interrupted, nor an engine
     step), the interpreter's exit would destroy torch's C++ state under it and abort the process
-    ("terminate called without an active exception", SIGABRT): then the logs are flushed and the process
-    ends at once, without that teardown."""
-    if any(thread.is_alive() for thread in threading.enumerate() if thread is not threading.main_thread()):
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    ("terminate called without an active exception", SIGABRT), and so would gloo's threads after tensor
+    parallelism: then the logs are flushed and the process ends at once, without that teardown."""
+    from ddtree.engine.step_channel import exit_after_group, joined_group
+
+    threads = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
+    if threads or joined_group():
+        exit_after_group(code)
     sys.exit(code)
 
 

@@ -7,7 +7,7 @@ with no directories loads the built-in model pair.
 from importlib.metadata import PackageNotFoundError, version
 
 from ddtree.errors import DDTreeError
-from ddtree.params import SamplingParams, StructuredOutputs
+from ddtree.request.params import SamplingParams, StructuredOutputs
 
 try:
     __version__ = version("ddtree")
@@ -25,7 +25,7 @@ def __getattr__(name: str):
 
         return Engine
     if name == "DFlashDrafter":
-        from ddtree.drafter import DFlashDrafter
+        from ddtree.speculative.drafter import DFlashDrafter
 
         return DFlashDrafter
     raise AttributeError(f"module 'ddtree' has no attribute {name!r}")

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ddtree.errors import DDTreeError
-from ddtree.params import DTYPE_CHOICES
+from ddtree.request.params import DTYPE_CHOICES
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

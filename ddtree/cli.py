@@ -105,7 +105,7 @@ def check_engine_flags(args: argparse.Namespace):
     """The checks that need no model (every EngineConfig rule, threads, device). Returns the device and
     the config."""
     from ddtree.engine.launch import check_world
-    from ddtree.models import check_device
+    from ddtree.model.loader import check_device
 
     overrides = {} if "max_num_seqs" in args else {"max_num_seqs": GENERATE_BATCH_SIZE}
     # stage seconds cost a device sync per stage: only with --stats
@@ -123,7 +123,7 @@ def engine_from_args(args: argparse.Namespace):
     ask for speculation per request.
     """
     from ddtree.engine import Engine
-    from ddtree.models import DEFAULT_DRAFTER, DEFAULT_TARGET
+    from ddtree.model.loader import DEFAULT_DRAFTER, DEFAULT_TARGET
 
     device, config = check_engine_flags(args)
     args.threads = apply_threads(args.threads)  # before any weight is loaded; --stats and serve report it
@@ -146,7 +146,7 @@ def serve_torchrun_rank(args: argparse.Namespace) -> NoReturn:
     """A torchrun rank other than 0: load this rank's shard of the target the flags name, then run rank
     0's steps until it stops, and end the process."""
     from ddtree.engine.rank_worker import ShardSpec, run_torchrun_worker
-    from ddtree.models import DEFAULT_TARGET
+    from ddtree.model.loader import DEFAULT_TARGET
 
     device, _ = check_engine_flags(args)
     threads = apply_threads(args.threads)
@@ -169,7 +169,7 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from ddtree.params import SamplingParams
+    from ddtree.request.params import SamplingParams
 
     prompt = read_prompt(args)
     params = SamplingParams(
@@ -207,7 +207,7 @@ def _stream(engine, prompt: str, params, args: argparse.Namespace) -> None:
         stats["finish_reason"] = delta.finish_reason
         lengths = stats.pop("acceptance_lengths")  # one per round: summarised, the JSON stays readable
         stats["acceptance_histogram"] = {n: lengths.count(n) for n in sorted(set(lengths))}
-        if engine.compiled:
+        if engine.runner.shapes.compiled:
             stats["compile_warmup_seconds"] = engine.warmup_seconds
         stats["torch_threads"] = torch.get_num_threads()  # what torch runs with, --threads or not
         stats |= engine.kv_cache_summary()

@@ -20,7 +20,7 @@ from typing import Any
 
 from ddtree.argparsing import comma_list
 from ddtree.errors import DDTreeError
-from ddtree.params import (
+from ddtree.request.params import (
     AUTO,
     METHODS,
     check_accept_thresholds,
@@ -34,10 +34,19 @@ ATTENTION_BACKENDS = ("sdpa", "flex")  # with fixed shapes: SDPA over a span buc
 PREFILL_GAP_ROUNDS = 4.0  # while requests decode, a prefill step takes about this many rounds' time at most
 
 
-def _flag(default: Any, *names: str, help: str, hidden: tuple[str, ...] = (), **argparse_options) -> Any:
-    """A field set by the flag ``names[0]`` (aliases after it; ``hidden``: older spellings, not in --help)."""
-    metadata = {"flags": names, "hidden": hidden, "help": help, "argparse": argparse_options}
-    return field(default=default, metadata=metadata)
+def flag(
+    default: Any,
+    *names: str,
+    help: str,
+    hidden: tuple[str, ...] = (),
+    unset: Any = dataclasses.MISSING,
+    repr: bool = True,
+    **argparse_options,
+) -> Any:
+    """A field set by the flag ``names[0]`` (aliases after it; ``hidden``: older spellings, not in --help).
+    ``unset``: the flag's value when not given, where the command derives the field from other flags."""
+    metadata = {"flags": names, "hidden": hidden, "help": help, "argparse": argparse_options, "unset": unset}
+    return field(default=default, repr=repr, metadata=metadata)
 
 
 def _ints(flag: str):
@@ -49,89 +58,89 @@ class EngineConfig:
     """An engine's options; constructing one checks them all (``DDTreeError``, one line)."""
 
     # -- speculation: what every request gets unless it asks otherwise
-    method: str = _flag(
+    method: str = flag(
         "ddtree", "--method", choices=METHODS,
         help="ddtree: draft tree; dflash: the drafter's argmax chain; ar: plain decoding",
     )  # fmt: skip
-    budget: int | str = _flag(
+    budget: int | str = flag(
         AUTO, "--budget", type=parse_budget,
         help="ddtree: draft tree nodes per round, or 'auto' (chosen per round from the measured cost and "
         "calibrated acceptance; plain rounds where drafting does not pay)",
     )  # fmt: skip
-    topk: int | None = _flag(
+    topk: int | None = flag(
         None, "--draft-topk", type=int, metavar="K", hidden=("--topk",),
         help="ddtree: cap on tree candidates per depth (SGLang's --speculative-eagle-topk; default: the "
         "budget)",
     )  # fmt: skip
-    accept_threshold_single: float = _flag(
+    accept_threshold_single: float = flag(
         1.0, "--speculative-accept-threshold-single", type=float, metavar="P",
         help="SGLang's threshold_single: accept a drafted token whose target probability is >= P; LOSSY "
         "below 1.0 (output no longer follows the target's distribution)",
     )  # fmt: skip
-    accept_threshold_acc: float = _flag(
+    accept_threshold_acc: float = flag(
         1.0, "--speculative-accept-threshold-acc", type=float, metavar="A",
         help="SGLang's threshold_acc: accept when coin < (siblings' target mass) / A; LOSSY below 1.0",
     )  # fmt: skip
     auto_max_budget: int = 64  # budget "auto": the most drafted nodes a round may choose
     sampling_aware_trees: bool = False  # sampled rows draft under their own sampling transform (did not pay)
-    tensor_parallel_size: int = _flag(
+    tensor_parallel_size: int = flag(
         1, "--tensor-parallel-size", "-tp", type=int, metavar="N",
         help="shard the target over N ranks (Megatron-style; gloo on CPUs, NCCL on GPUs 0..N-1); ddtree "
         "starts them, or run under torchrun with N processes",
     )  # fmt: skip
     # -- batch and memory (vLLM's names)
-    max_num_seqs: int = _flag(
+    max_num_seqs: int = flag(
         16, "--max-num-seqs", "--max-batch-size", type=int,
         help="requests (choices) the engine runs side by side",
     )  # fmt: skip
-    max_model_len: int | None = _flag(
+    max_model_len: int | None = flag(
         None, "--max-model-len", type=int, metavar="N",
         help="tokens per request, prompt and output (default: the model's context)",
     )  # fmt: skip
-    kv_cache_memory: int | str | None = _flag(
+    kv_cache_memory: int | str | None = flag(
         None, "--kv-cache-memory", type=memory_size, metavar="SIZE",
         help="KV cache bytes (4GiB, 512MiB, ...); wins over --gpu-memory-utilization",
     )  # fmt: skip
-    gpu_memory_utilization: float = _flag(
+    gpu_memory_utilization: float = flag(
         0.9, "--gpu-memory-utilization", type=float, metavar="F",
         help="share of the device's memory (on a CPU, of the RAM available) the engine may use: the KV cache "
         "gets what weights and activations leave",
     )  # fmt: skip
-    max_num_batched_tokens: int = _flag(
+    max_num_batched_tokens: int = flag(
         2048, "--max-num-batched-tokens", type=int, metavar="N",
         help="tokens a step may prefill; longer prompts are prefilled in chunks, between rounds of the "
         "running requests",
     )  # fmt: skip
-    block_size: int = _flag(16, "--block-size", type=int, help="tokens per KV cache block")
-    enable_prefix_caching: bool = _flag(
+    block_size: int = flag(16, "--block-size", type=int, help="tokens per KV cache block")
+    enable_prefix_caching: bool = flag(
         True, "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
         help="reuse the KV blocks (and the drafter's context) of prompt prefixes that earlier requests "
         "computed, instead of prefilling them again",
     )  # fmt: skip
     prefill_gap_rounds: float | None = PREFILL_GAP_ROUNDS  # None: max_num_batched_tokens alone
     # -- fixed shapes and compilation
-    compile: bool = _flag(
+    compile: bool = flag(
         False, "--compile", action="store_true",
         help="pad every round to fixed shapes and torch.compile the target and drafter forwards (CUDA graphs "
         "on CUDA); every shape compiles at start-up, which takes minutes on a CPU",
     )  # fmt: skip
     fixed_shapes: bool | None = None  # None: as compile (fixed shapes without compiling: tests, debugging)
-    batch_buckets: tuple[int, ...] | None = _flag(
+    batch_buckets: tuple[int, ...] | None = flag(
         None, "--batch-buckets", type=_ints("--batch-buckets"), metavar="B1,B2,...",
         help="with --compile: the batch sizes to compile, comma-separated, the largest being the maximum "
         "batch size (default: 1, 2, 4, ... up to it); fewer buckets start faster",
     )  # fmt: skip
-    node_buckets: tuple[int, ...] | None = _flag(
+    node_buckets: tuple[int, ...] | None = flag(
         None, "--node-buckets", type=_ints("--node-buckets"), metavar="N1,N2,...",
         help="with --compile: the tree sizes to compile (root included), comma-separated; the largest must "
         "hold the budget plus one (default: 1, 2, 3, 5, 9, 17, ... up to it)",
     )  # fmt: skip
-    span_buckets: tuple[int, ...] | None = _flag(
+    span_buckets: tuple[int, ...] | None = flag(
         None, "--span-buckets", type=_ints("--span-buckets"), metavar="S1,S2,...",
         help="with --compile: cache columns attention may read, comma-separated; the whole row is always one "
         "(the default: only it); on a CPU, a few smaller spans make short rows read less",
     )  # fmt: skip
-    attention: str = _flag(
+    attention: str = flag(
         "sdpa", "--attention-backend", choices=ATTENTION_BACKENDS,
         help="with --compile: 'flex' reads each row's own KV blocks up to its length (FlexAttention over the "
         "paged pool) instead of a span of every row",
@@ -168,7 +177,10 @@ class EngineConfig:
         self._check_shapes(name, from_flags)
 
     def _check_shapes(self, name, from_flags: bool) -> None:
-        from ddtree.capture import check_batch_buckets, check_buckets  # numpy and torch: only to check these
+        from ddtree.model.capture import (  # numpy and torch: only to check these
+            check_batch_buckets,
+            check_buckets,
+        )
 
         def setting(f: str, value: Any) -> str:
             if not from_flags:
@@ -235,7 +247,12 @@ class EngineConfig:
         return cls(**(values | overrides), from_flags=True)
 
 
-FIELD_FLAGS = {f.name: f.metadata["flags"][0] for f in dataclasses.fields(EngineConfig) if f.metadata}
+def field_flags(cls: type) -> dict[str, str]:
+    """Each flagged field of the dataclass ``cls`` -> its flag."""
+    return {f.name: f.metadata["flags"][0] for f in dataclasses.fields(cls) if f.metadata}
+
+
+FIELD_FLAGS = field_flags(EngineConfig)
 
 SPECULATIVE_FLAGS = ("method", "budget", "topk", "accept_threshold_single", "accept_threshold_acc")
 PARALLEL_FLAGS = ("tensor_parallel_size",)
@@ -253,12 +270,20 @@ BATCH_FLAGS = ("max_num_seqs",)
 
 def add_engine_flags(p: argparse.ArgumentParser, names: Iterable[str]) -> None:
     """The flags of these EngineConfig fields, with the fields' defaults (``dest`` is the field)."""
-    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    add_field_flags(p, EngineConfig, names)
+
+
+def add_field_flags(p: argparse.ArgumentParser, cls: type, names: Iterable[str]) -> None:
+    """The flags of these fields of ``cls`` (made with ``flag``), with the fields' defaults (``dest`` is the
+    field)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     for name in names:
         f = fields[name]
         meta = f.metadata
-        p.add_argument(*meta["flags"], dest=name, default=f.default, help=meta["help"], **meta["argparse"])
+        unset = meta.get("unset", dataclasses.MISSING)
+        default = f.default if unset is dataclasses.MISSING else unset
+        p.add_argument(*meta["flags"], dest=name, default=default, help=meta["help"], **meta["argparse"])
         if meta["hidden"]:
             p.add_argument(
-                *meta["hidden"], dest=name, default=f.default, help=argparse.SUPPRESS, **meta["argparse"]
+                *meta["hidden"], dest=name, default=default, help=argparse.SUPPRESS, **meta["argparse"]
             )

@@ -4,10 +4,10 @@
     python scripts/cuda_attention_check.py sdpa [--device cuda]   # one JSON line per shape: kernel names
 
 ``flex``: for each GQA group / head width of ``tests/test_cuda_attention_rules.REAL`` and tree sizes 1-257,
-``ddtree.attention.flex`` compiled (fullgraph, static shapes) over a block mask of ddtree's tiles (128
+``ddtree.model.attention.flex`` compiled (fullgraph, static shapes) over a block mask of ddtree's tiles (128
 queries x 16-token pool blocks, each row reading its own blocks), checked against dense SDPA.
-``sdpa``: ``ddtree.attention.attend`` with a boolean mask under ``torch.profiler``, and, for contrast, the
-call it replaced (``enable_gqa`` with the mask): the device kernels each ran, by time.
+``sdpa``: ``ddtree.model.attention.attend`` with a boolean mask under ``torch.profiler``, and, for contrast,
+the call it replaced (``enable_gqa`` with the mask): the device kernels each ran, by time.
 Lines are flushed as they come, so a step cut by its timeout keeps what it finished.
 """
 
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
-from ddtree.attention import FLEX_Q_BLOCK, attend, flex, flex_kernel_options
+from ddtree.model.attention import FLEX_Q_BLOCK, attend, flex, flex_kernel_options
 from tests.test_cuda_attention_rules import REAL
 
 BLOCK = 16  # the pool's block size (the default)

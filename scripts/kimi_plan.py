@@ -9,7 +9,7 @@ requests of ``--context`` tokens that pool holds; and the all-reduce bytes of on
 Parameters come from transformers' own DeepSeek-V3 class built on the meta device, so the numbers
 follow the code.
 
-Each rank keeps what ``ddtree.tensor_parallel.shard_target`` leaves it, run on the meta model: 1 / N of
+Each rank keeps what ``ddtree.model.tensor_parallel.shard_target`` leaves it, run on the meta model: 1 / N of
 the routed experts (whole experts), of the attention heads (``q_b_proj``, ``kv_b_proj``, ``o_proj``) and
 of the dense and shared-expert MLPs; the rest (embedding, LM head, norms, router, the ``q_a`` / ``kv_a``
 down-projections) whole. The drafter, its KV pool and the LM head's sampling are on rank 0, the binding
@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ddtree.drafter import DFlashDrafter, dflash_config
 from ddtree.engine.memory import activation_bytes
-from ddtree.forward import TargetForward
-from ddtree.kv_cache import KVLayout
-from ddtree.tensor_parallel import TPGroup, shard_target
+from ddtree.model.forward import TargetForward
+from ddtree.model.kv_cache import KVLayout
+from ddtree.model.tensor_parallel import TPGroup, shard_target
+from ddtree.speculative.drafter import DFlashDrafter, dflash_config
 
 CONFIG = Path(__file__).resolve().parents[1] / "tests" / "assets" / "kimi_k26_config.json"
 BF16 = 2

@@ -72,9 +72,9 @@ def measure(way: str, rank: int, world: int, directory: Path, out) -> None:
     seconds) through ``out``."""
     import torch
 
-    from ddtree.checkpoint import Checkpoint
-    from ddtree.models import load_target
-    from ddtree.tensor_parallel import shard_target
+    from ddtree.model.checkpoint import Checkpoint
+    from ddtree.model.loader import load_target
+    from ddtree.model.tensor_parallel import shard_target
 
     torch.set_num_threads(1)
     start_rss, start = peak_rss(), time.perf_counter()

@@ -17,9 +17,9 @@ import time
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from ddtree.capture import tree_mask
-from ddtree.forward import TargetForward
-from ddtree.kv_cache import KVLayout, PagedKVCache
+from ddtree.model.capture import tree_mask
+from ddtree.model.forward import TargetForward
+from ddtree.model.kv_cache import KVLayout, PagedKVCache
 
 KIMI_K2 = dict(
     hidden_size=7168,

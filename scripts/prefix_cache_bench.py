@@ -97,8 +97,8 @@ def long_prompt(args: argparse.Namespace) -> list[dict]:
     """Prefill seconds of one ``--repeat-prompt-tokens`` prompt: cold, then again, caching on and off."""
     options = dict(max_model_len=args.repeat_prompt_tokens + 64, kv_cache_memory=args.kv_cache_memory)
     on = Engine.from_pretrained(args.target, args.drafter, **options)
-    off = Engine(on.target, on.drafter, on.tokenizer, enable_prefix_caching=False, **options)
-    vocab = on.embed.num_embeddings
+    off = Engine(on.target, on.runner.drafter, on.tokenizer, enable_prefix_caching=False, **options)
+    vocab = on.runner.embed.num_embeddings
     prompt = [3 + (7 * j + j * j) % (vocab - 8) for j in range(args.repeat_prompt_tokens)]
     rows = []
     for name, engine in (("off", off), ("on", on)):

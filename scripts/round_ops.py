@@ -13,8 +13,9 @@ import time
 
 import torch
 
-from ddtree import Engine, SamplingParams, capture
+from ddtree import Engine, SamplingParams
 from ddtree.bench.step_ops import count_steps
+from ddtree.model import capture
 
 BUDGETS = (1, 16, 64, 256)
 
@@ -42,7 +43,7 @@ def main() -> None:
     t = time.perf_counter()
     capture.COMPILE_ROUND_ON_CPU = True  # what an accelerator compiles
     compiled = Engine(
-        eager.target, eager.drafter, eager.tokenizer, max_num_seqs=args.rows, compile=True,
+        eager.target, eager.runner.drafter, eager.tokenizer, max_num_seqs=args.rows, compile=True,
         batch_buckets=[args.rows], node_buckets=[b + 1 for b in BUDGETS],
     )  # fmt: skip
     print(f"compiled and warmed up in {time.perf_counter() - t:.0f} s\n")

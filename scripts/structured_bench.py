@@ -17,9 +17,9 @@ import time
 import torch
 
 import ddtree.engine.verifier as verifier_module
-import ddtree.grammar as grammar_module
+import ddtree.request.grammar as grammar_module
 from ddtree import Engine, SamplingParams, StructuredOutputs
-from ddtree.penalties import NodePenalties
+from ddtree.request.penalties import NodePenalties
 
 SCHEMA = {
     "type": "object",

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ddtree.engine import Engine
-from ddtree.params import SamplingParams
+from ddtree.request.params import SamplingParams
 
 PROMPTS = Path(__file__).resolve().parents[1] / "ddtree" / "bench" / "prompts.jsonl"
 

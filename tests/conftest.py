@@ -28,8 +28,8 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from ddtree.drafter import DFlashDrafter, dflash_config
-from tests.oracles import DraftTree
+from ddtree.sglang import DraftTree
+from ddtree.speculative.drafter import DFlashDrafter, dflash_config
 
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine they lose a lot to them.
 torch.set_num_threads(1)

@@ -8,70 +8,36 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ddtree.errors import DDTreeError
-from ddtree.params import SamplingParams, check_accept_thresholds
-from ddtree.sampling import SamplingTensors, _walk_tree, filtered_probs, inverse_cdf
-from ddtree.tree import TreeBatch, draft_candidates
-
-
-@dataclass
-class DraftTree:
-    """A draft tree of N = n + 1 nodes; node 0 is the root (the last committed token)."""
-
-    tokens: torch.Tensor  # [N] int64 token of each node; tokens[0] = root_token
-    depths: torch.Tensor  # [N] int64; a node at depth d drafts block position d, root depth 0
-    parents: torch.Tensor  # [N] int64; parents[0] = -1 and parents[i] < i (nodes are in pop order)
-    logw: torch.Tensor  # [N] float32 cumulative draft log-prob of the prefix ending at the node; root 0
-
-    @property
-    def num_nodes(self) -> int:
-        return self.tokens.numel()
-
-    @classmethod
-    def root_only(cls, root_token: int) -> DraftTree:
-        """The tree plain autoregressive decoding verifies: nothing drafted, only the bonus token."""
-        zero = torch.zeros(1, dtype=torch.int64)
-        return cls(torch.tensor([root_token]), zero, zero - 1, zero.float())
-
-
-@dataclass
-class TreeRetrieve:
-    """First-child / next-sibling encoding of a tree (SGLang's retrive_next_token / retrive_next_sibling)."""
-
-    next_token: torch.Tensor  # [N] int64 first child of each node, -1 if leaf
-    next_sibling: torch.Tensor  # [N] int64 next sibling, -1 if last; siblings by descending logw
+from ddtree.request.params import SamplingParams, check_accept_thresholds
+from ddtree.sglang import DraftTree, TreeRetrieve, tree_speculative_sampling_target_only
+from ddtree.speculative.sampling import SamplingTensors, filtered_probs
+from ddtree.speculative.tree import TreeBatch, draft_candidates
 
 
 def compile_ddtree_retrieve(parents: torch.Tensor, node_logw: torch.Tensor) -> TreeRetrieve:
-    """Encode the tree so verification tries a node's children most probable first.
-
-    ``parents`` [N] int64 (root -1, node 0) and ``node_logw`` [N] use local node indices; ties in logw
-    keep node-index order. Outputs are on ``parents.device``.
-    """
+    """The first-child / next-sibling lists by a scalar sort per node: children by descending logw, ties
+    by node index (the oracle of ``ddtree.sglang.compile_ddtree_retrieve``)."""
     if parents.dim() != 1 or node_logw.shape != parents.shape or parents.numel() < 1:
         raise DDTreeError(
             f"parents and node_logw must be equal-length 1-D tensors with a root, got "
             f"{tuple(parents.shape)} and {tuple(node_logw.shape)}"
         )
-    n = parents.numel()
-    next_token = torch.full((n,), -1, dtype=torch.int64, device=parents.device)
-    next_sibling = torch.full((n,), -1, dtype=torch.int64, device=parents.device)
-    if n > 1:
-        # Two stable sorts give order by (parent asc, logw desc, index asc) over the non-root nodes.
-        nodes = torch.arange(1, n, device=parents.device)  # [n - 1]
-        nodes = nodes[torch.sort(node_logw[1:], descending=True, stable=True).indices]
-        order = nodes[torch.sort(parents[nodes], stable=True).indices]  # [n - 1]
-        par = parents[order].long()  # [n - 1]
-        same = par[1:] == par[:-1]  # [n - 2] consecutive entries are siblings
-        next_sibling[order[:-1][same]] = order[1:][same]
-        first = torch.cat((same.new_ones(1), ~same))  # [n - 1] head of each sibling group
-        next_token[par[first]] = order[first]
-    return TreeRetrieve(next_token=next_token, next_sibling=next_sibling)
+    par, logw = parents.tolist(), node_logw.tolist()
+    n = len(par)
+    next_token, next_sibling = [-1] * n, [-1] * n
+    for x in range(n):
+        kids = sorted((i for i in range(1, n) if par[i] == x), key=lambda i: (-logw[i], i))
+        if kids:
+            next_token[x] = kids[0]
+        for a, b in zip(kids, kids[1:], strict=False):
+            next_sibling[a] = b
+    device = parents.device
+    return TreeRetrieve(torch.tensor(next_token, device=device), torch.tensor(next_sibling, device=device))
 
 
 def tree_row(trees: TreeBatch, b: int) -> DraftTree:
@@ -114,20 +80,10 @@ def filtered_probs_reference(logits: torch.Tensor, sampling: SamplingTensors) ->
 
 
 def tree_sampling_reference(
-    predicts: torch.Tensor,
-    accept_index: torch.Tensor,
-    accept_token_num: torch.Tensor,
-    candidates: torch.Tensor,
-    retrive_index: torch.Tensor,
-    retrive_next_token: torch.Tensor,
-    retrive_next_sibling: torch.Tensor,
-    uniform_samples: torch.Tensor,
-    uniform_samples_for_final_sampling: torch.Tensor,
-    target_probs: torch.Tensor,
-    draft_probs: torch.Tensor,
-    threshold_single: float = 1.0,
-    threshold_acc: float = 1.0,
-) -> None:
+    predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+    retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs, draft_probs,
+    threshold_single: float = 1.0, threshold_acc: float = 1.0,
+) -> None:  # fmt: skip
     """sgl_kernel's tree rejection sampling as a scalar walk over host lists (the library's first
     implementation), the oracle of the vectorised one: same arguments, same outputs."""
     threshold_single, threshold_acc = check_accept_thresholds(threshold_single, threshold_acc)
@@ -175,7 +131,7 @@ def tree_sampling_reference(
                 p = cand_probs[b, child]
                 exact += float(p)
                 running = np.float32(exact)  # each partial sum rounded from the exact one
-                if p > 0 and (coins[b, cur] < running / acc_scale or p >= single):
+                if (p > 0 and coins[b, cur] < running / acc_scale) or p >= single:
                     break
                 rejected.append((b, cur, cand[b][child]))
                 if p > 0:
@@ -298,6 +254,25 @@ def target_probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> to
     return filtered_probs(logits.reshape(1, -1, logits.shape[-1]), sampling).reshape(logits.shape)
 
 
+def inverse_cdf(weights: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
+    """Per row of weights [R, V] (not normalised; non-positive entries count as 0): the first index whose
+    float32 running sum exceeds coin * total, else the last positive index, else -1, by a scalar scan
+    (the oracle of ``ddtree.speculative.sampling.inverse_cdf``)."""
+    out = []
+    for row, coin in zip(weights.float().cpu().numpy(), coins.float().cpu().numpy().reshape(-1), strict=True):
+        w = np.where(row > 0, row, np.float32(0))
+        total, running, pick, last = np.float32(w.sum(dtype=np.float32)), np.float32(0), -1, -1
+        u = np.float32(coin) * total
+        for i, x in enumerate(w):
+            if x > 0:
+                last = i
+                running = np.float32(running + x)
+                if pick < 0 and running > u:
+                    pick = i
+        out.append(pick if pick >= 0 else last)
+    return torch.tensor(out, dtype=torch.int64, device=weights.device)
+
+
 def sample_from_probs(probs: torch.Tensor, coin: float | torch.Tensor) -> int:
     """Plain sampling of one distribution probs [V] with one coin by inverse CDF, with the bonus draw's
     exact rule."""
@@ -306,89 +281,6 @@ def sample_from_probs(probs: torch.Tensor, coin: float | torch.Tensor) -> int:
     if token < 0:
         raise ValueError("probs has no positive mass")
     return token
-
-
-def tree_speculative_sampling_target_only(
-    predicts: torch.Tensor,
-    accept_index: torch.Tensor,
-    accept_token_num: torch.Tensor,
-    candidates: torch.Tensor,
-    retrive_index: torch.Tensor,
-    retrive_next_token: torch.Tensor,
-    retrive_next_sibling: torch.Tensor,
-    uniform_samples: torch.Tensor,
-    uniform_samples_for_final_sampling: torch.Tensor,
-    target_probs: torch.Tensor,
-    draft_probs: torch.Tensor,
-    threshold_single: float = 1.0,
-    threshold_acc: float = 1.0,
-    deterministic: bool = True,
-) -> None:
-    """Tree rejection sampling with sgl_kernel's contract; writes predicts, accept_index, accept_token_num.
-
-    Shapes: predicts [bs * N] int32, written at retrive_index slots; accept_index [bs, S] int32 (S = max
-    depth + 1, entries past the accepted path untouched); accept_token_num [bs] int32 (accepted draft
-    tokens, bonus excluded); candidates, retrive_index, retrive_next_token, retrive_next_sibling
-    [bs, N] int64 (node 0 = root); uniform_samples [bs, N] float32; uniform_samples_for_final_sampling
-    [bs] float32; target_probs, draft_probs [bs, N, V] float32. draft_probs must come in as zeros: it is
-    scratch where rejected tokens' target mass is recorded (mutated).
-
-    Per row, node x's children are tried in sibling order with the coin uniform_samples[row, x]: child c
-    with target prob p (under x's row) is accepted iff p > 0 and (coin < running_sum / threshold_acc or
-    p >= threshold_single), as in SGLang's current kernel. The test is strict so that, with coins uniform
-    on [0, 1), each child is accepted with exactly its probability (``<=`` would also take a child whose
-    running sum equals the coin, i.e. the previous sibling's share of [0, 1)). The running sum is float32,
-    each partial sum rounded from the exact one. The bonus token after the last accepted node is drawn with
-    the final coin from max(target - draft_probs, 0) of that node, or from its plain target row when the
-    walk used all S - 1 steps; if rounding leaves that empty, it is the node's last rejected child with
-    target mass (V - 1 when there is none), as in the kernel.
-
-    Thresholds take SGLang's whole domain [0, 1] (``threshold_acc`` is floored at 1e-9 like the kernel's
-    launcher does, so 0 accepts any child with target mass). The default (1, 1) is lossless; anything
-    lower accepts more often and is a deliberately lossy speed option. ``deterministic`` is accepted for
-    sgl_kernel's signature; this implementation is always deterministic.
-
-    Vectorised over rows, one step per depth, no host sync: the linked lists become a [bs, N, C] children
-    table first (C = N - 1 at most, one gather per sibling rank).
-    """
-    del deterministic  # every op here is deterministic
-    bs, n = candidates.shape
-    steps = accept_index.shape[1]
-    vocab = target_probs.shape[-1]
-    if target_probs.shape != (bs, n, vocab) or draft_probs.shape != target_probs.shape:
-        raise ValueError(f"target/draft probs must be [{bs}, {n}, V], got {tuple(target_probs.shape)}")
-    if target_probs.dtype != torch.float32 or draft_probs.dtype != torch.float32:
-        raise ValueError("target_probs and draft_probs must be float32")
-    if any(t.dtype != torch.int32 for t in (predicts, accept_index, accept_token_num)):
-        raise ValueError("predicts, accept_index and accept_token_num must be int32")
-    device = target_probs.device
-    # Children in sibling order: rank 0 is the first child, rank r + 1 the next sibling of rank r.
-    ranks = [retrive_next_token.long()]
-    for _ in range(n - 2):
-        prev = ranks[-1]
-        ranks.append(torch.where(prev >= 0, retrive_next_sibling.long().gather(1, prev.clamp(min=0)), -1))
-    children = torch.stack(ranks, dim=2) if n > 1 else torch.full((bs, n, 1), -1, device=device)
-    rows = torch.arange(bs, device=device)
-    walk = _walk_tree(
-        children,
-        candidates.long(),
-        lambda cur: target_probs[rows, cur],
-        uniform_samples.float(),
-        uniform_samples_for_final_sampling.float().to(device),
-        steps,
-        threshold_single,
-        threshold_acc,
-        draft_probs,
-    )
-    # Node path[t] predicts the token of path[t + 1]; the last accepted node predicts the bonus.
-    t = torch.arange(steps, device=device)[None]  # [1, S]
-    on_path = t < walk.lengths[:, None]  # [bs, S]
-    slots = retrive_index.long().gather(1, walk.path)  # [bs, S]
-    # Padding entries rewrite the root's slot with the root's own value: every write is deterministic.
-    values = torch.where(on_path, walk.tokens, walk.tokens[:, :1]).to(predicts.dtype)
-    predicts[torch.where(on_path, slots, slots[:, :1]).view(-1).to(predicts.device)] = values.view(-1)
-    accept_index.copy_(torch.where(on_path, slots.to(accept_index.dtype), accept_index))
-    accept_token_num.copy_(walk.lengths - 1)
 
 
 def sample_tree(

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from ddtree.bench.cli import DEFAULT_BUDGETS
-from ddtree.budget import AcceptanceCalibration, CostModel, LinearCost, tree_acceptance
 from ddtree.cli import build_parser
 from ddtree.engine import Engine
 from ddtree.engine.auto_budget import AUTO_MAX_BACKOFF, AutoRound
 from ddtree.engine.verifier import Verdicts
-from ddtree.params import AUTO, SamplingParams
+from ddtree.request.params import AUTO, SamplingParams
+from ddtree.speculative.budget import AcceptanceCalibration, CostModel, LinearCost, tree_acceptance
 from tests.conftest import tiny_drafter, tiny_target
 
 BIG_VOCAB = 2048  # a random drafter's first token matches the target's about once in this many rounds
@@ -22,7 +22,7 @@ BIG_VOCAB = 2048  # a random drafter's first token matches the target's about on
 
 def test_auto_is_the_default_budget_of_the_engine_and_every_command():
     engine = Engine(*(lambda t: (t, tiny_drafter(t)))(tiny_target()))
-    assert engine.budget == AUTO
+    assert engine.config.budget == AUTO
     for command in (["generate", "x"], ["serve"]):
         assert build_parser().parse_args(command).budget == AUTO
     assert DEFAULT_BUDGETS.split(",")[0] == AUTO
@@ -99,7 +99,7 @@ def test_a_first_draft_that_was_not_verified_still_teaches_the_calibration(commi
     engine.add_request([3, 4, 5], SamplingParams(max_new_tokens=8))
     engine.step()  # the prefill
     row = engine.running[0]
-    cal = engine.calibration
+    cal = engine.auto.calibration
     seen = AutoRound(
         logw=np.log([[1.0, 0.42, 0.2]]),
         tokens=np.array([[5, 7, 9]]),

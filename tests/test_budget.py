@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.budget import AcceptanceCalibration, CostModel, LinearCost, choose_counts
 from ddtree.engine import Engine
-from ddtree.params import SamplingParams
+from ddtree.request.params import SamplingParams
+from ddtree.speculative.budget import AcceptanceCalibration, CostModel, LinearCost, choose_counts
 from tests.test_engine_greedy import PROMPTS, hf_greedy
 
 
@@ -130,8 +130,8 @@ def test_a_stretch_of_plain_rounds_leaves_the_drafter_as_if_it_had_drafted_throu
     while drafting.running[0].draft_len < request.draft_len:
         drafting.step()
     n = request.draft_len
-    mine = skipping.draft_cache.keys + skipping.draft_cache.values
-    theirs = drafting.draft_cache.keys + drafting.draft_cache.values
+    mine = skipping.runner.draft_cache.keys + skipping.runner.draft_cache.values
+    theirs = drafting.runner.draft_cache.keys + drafting.runner.draft_cache.values
     for a, b in zip(mine, theirs, strict=True):  # every layer's keys and values, [rows, kvh, cols, d]
         torch.testing.assert_close(a[0, :, :n], b[0, :, :n], atol=1e-5, rtol=0)
 
@@ -142,4 +142,4 @@ def test_auto_works_before_any_cost_is_measured(pair):
     engine = Engine(target, drafter, budget="auto", max_batch_size=1)
     result = engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=20))
     assert result.token_ids == hf_greedy(target, PROMPTS[0], 20)
-    assert engine.cost.verify.fixed > 0
+    assert engine.auto.cost.verify.fixed > 0

@@ -19,15 +19,16 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from ddtree import DDTreeError, capture
-from ddtree.attention import PagedBlockMask, attend
+from ddtree import DDTreeError
 from ddtree.bench.step_ops import OpCounter, count_steps
-from ddtree.budget import CostModel, LinearCost
-from ddtree.capture import batch_ladder, node_ladder, pick, tree_mask
 from ddtree.engine import Engine
 from ddtree.engine.clock import StageClock
-from ddtree.kv_cache import KVLayout, PagedKVCache
-from ddtree.params import SamplingParams
+from ddtree.model import capture
+from ddtree.model.attention import PagedBlockMask, attend
+from ddtree.model.capture import batch_ladder, node_ladder, pick, tree_mask
+from ddtree.model.kv_cache import KVLayout, PagedKVCache
+from ddtree.request.params import SamplingParams
+from ddtree.speculative.budget import CostModel, LinearCost
 
 DEVICE = os.environ.get("DDTREE_TEST_DEVICE", "cpu")
 OPTIONS = dict(max_model_len=256, dtype=torch.float32, draft_dtype=torch.float32, device=DEVICE)
@@ -70,7 +71,7 @@ def eager() -> Engine:
 
 def sibling(eager: Engine, **options) -> Engine:
     """An engine on the eager engine's models, tokenizer and context (256 tokens), with other options."""
-    return Engine(eager.target, eager.drafter, eager.tokenizer, max_model_len=256, **options)
+    return Engine(eager.target, eager.runner.drafter, eager.tokenizer, max_model_len=256, **options)
 
 
 def test_ladders_cover_every_size_with_the_smallest_bucket():
@@ -102,7 +103,7 @@ def test_tree_mask_shows_committed_columns_and_ancestors_only():
 
 
 def test_bucket_options_are_checked_before_anything_runs(eager: Engine):
-    target, drafter = eager.target, eager.drafter
+    target, drafter = eager.target, eager.runner.drafter
     with pytest.raises(
         DDTreeError, match=r"largest of batch_buckets must be the maximum batch size \(4\), got 2"
     ):
@@ -154,7 +155,7 @@ def test_padded_rows_and_nodes_change_no_output(eager: Engine):
     assert run(padded, specs) == run(eager, specs)
     assert {s[0] for s in shapes} <= {(b, n) for b in (3, 4) for n in (4, 7, 13, 17)}
     spans = {s[1] for s in shapes}
-    assert spans <= {32, 48, padded.cache.capacity} and len(spans) >= 2  # rows grew into wider spans
+    assert spans <= {32, 48, padded.runner.cache.capacity} and len(spans) >= 2  # rows grew into wider spans
     assert any(rows < shape[0] for shape, _, rows, _ in shapes)  # dummy rows
     assert any(widest < shape[1] for shape, _, _, widest in shapes)  # dummy nodes
 
@@ -171,7 +172,7 @@ def compiled(eager: Engine) -> Engine:
     with pytest.MonkeyPatch.context() as patch:  # the round's graphs too, as on an accelerator
         patch.setattr(capture, "COMPILE_ROUND_ON_CPU", True)
         engine = compiled_pair(eager, node_buckets=[17, 257])  # each bucket: five graphs, ~100 s cold
-    assert engine.runner.round_compiled
+    assert engine.runner.shapes.round_compiled
     return engine
 
 
@@ -181,13 +182,13 @@ def test_compiled_rounds_never_recompile_and_match_eager(eager: Engine, compiled
     assert compiled.warmup_seconds > 0
     graphs = counters["stats"]["unique_graphs"]
     rounds = []
-    step = compiled._round
+    step = compiled.core._round
 
     def count(*args):
         rounds.append(compiled.num_running)
         return step(*args)
 
-    compiled._round = count
+    compiled.core._round = count
     specs = requests(new=48, largest=256)
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = run(compiled, specs)
@@ -252,9 +253,9 @@ def test_stage_timing_is_opt_in(eager: Engine, monkeypatch):
     read after the round's sync), so in neither case does a stage boundary wait for the device: the only
     synchronising clock read is the prefill's end."""
     points, synced = [], []
-    point, now = StageClock._point, eager._now
+    point, now = StageClock._point, eager.core._now
     monkeypatch.setattr(StageClock, "_point", lambda self: points.append(1) or point(self))
-    monkeypatch.setattr(eager, "_now", lambda: synced.append(True) or now())
+    monkeypatch.setattr(eager.core, "_now", lambda: synced.append(True) or now())
     try:
         quiet = eager.generate(PROMPTS[0], SamplingParams(max_new_tokens=20), budget=16)  # auto is timed
         quiet_points, quiet_synced = len(points), list(synced)
@@ -348,5 +349,5 @@ def test_flex_attention_rounds_never_recompile_and_match_eager(eager: Engine, co
         got = run(compiled_flex, specs)
     assert counters["stats"]["unique_graphs"] == graphs
     assert sum(counters["graph_break"].values()) == 0
-    assert compiled_flex.runner.block_masks  # the rounds went through the flex backend
+    assert compiled_flex.runner.shapes.block_masks  # the rounds went through the flex backend
     assert got == run(eager, specs)

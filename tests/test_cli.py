@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from ddtree.engine import Engine
-from ddtree.params import SamplingParams
+from ddtree.errors import DDTreeError
+from ddtree.request.params import SamplingParams
+from ddtree.server.config import Limits, ServerConfig
 from tests.conftest import save_models, tiny_drafter, tiny_target
 
 
@@ -181,7 +183,7 @@ def test_method_ar_still_loads_the_drafter_for_per_request_speculation(model_dir
     flags = ["serve", "--target", str(target_dir), "--drafter", str(drafter_dir), "--method", "ar"]
     args = build_parser().parse_args(flags)
     engine = engine_from_args(args)
-    assert engine.method == "ar" and engine.drafter is not None
+    assert engine.config.method == "ar" and engine.runner.drafter is not None
     prompt = [5, 6, 7, 8]
     plain = engine.generate(prompt, SamplingParams(max_new_tokens=12))
     tree = engine.generate(prompt, SamplingParams(max_new_tokens=12), method="ddtree", budget=8)
@@ -399,8 +401,10 @@ def test_generate_builds_a_one_row_engine_that_profiles_only_for_stats(model_dir
     target_dir, drafter_dir = model_dirs
     flags = ["generate", "x", "--target", str(target_dir), "--drafter", str(drafter_dir)]
     quiet, stats = (engine_from_args(build_parser().parse_args(flags + extra)) for extra in ([], ["--stats"]))
-    assert not quiet.profile and stats.profile and not stats.compiled
-    assert quiet.max_batch_size == stats.max_batch_size == 1  # one request: one cache row, one batch shape
+    assert not quiet.profile and stats.profile and not stats.runner.shapes.compiled
+    assert (
+        quiet.config.max_num_seqs == stats.config.max_num_seqs == 1
+    )  # one request: one cache row, one batch shape
 
 
 def test_prefix_caching_is_on_unless_the_flag_turns_it_off(model_dirs):
@@ -433,3 +437,24 @@ def test_default_threads_leave_the_busy_cores_to_their_work():
     assert default_threads(torch_default=8, cores=16, load=4.2) == 8  # never more than torch's default
     assert default_threads(torch_default=32, cores=32, load=30.0) == 2
     assert default_threads(torch_default=4, cores=4, load=9.0) == 1  # oversubscribed: at least one
+
+
+def test_serve_flags_are_server_config_fields_read_back_with_their_defaults_and_checks():
+    """ServerConfig is built like EngineConfig: serve's own flags are its (and its Limits') fields, the
+    defaults are the fields', and the checks name the flags."""
+    from ddtree.cli import build_parser
+    from ddtree.config import field_flags
+
+    args = build_parser().parse_args(["serve"])
+    flags = field_flags(ServerConfig) | field_flags(Limits)
+    assert all(name in args for name in flags)
+    config = ServerConfig.from_args(args)
+    assert config == ServerConfig() and config.limits == Limits()
+    args = build_parser().parse_args(["serve", "--max-speculative-budget", "8", "--api-key", "a", "b"])
+    config = ServerConfig.from_args(args, model_name="m")
+    assert config.limits.max_speculative_budget == 8 and config.api_keys == ("a", "b")
+    assert config.model_name == "m"
+    with pytest.raises(DDTreeError, match=r"^--port must be in \[0, 65535\], got 70000$"):
+        ServerConfig.from_args(build_parser().parse_args(["serve", "--port", "70000"]))
+    with pytest.raises(DDTreeError, match="^max_queue must be >= 0, got -1$"):
+        ServerConfig(max_queue=-1)

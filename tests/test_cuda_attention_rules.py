@@ -23,9 +23,9 @@ from torch._inductor.kernel.flex import flex_decoding as torch_decode
 from torch._inductor.runtime.runtime_utils import is_power_of_2, next_power_of_2
 from torch._inductor.template_heuristics.triton import CUDAConfigHeuristic
 
-from ddtree.attention import FLEX_Q_BLOCK, flex_kernel_options, sdpa_operands
-from ddtree.capture import node_ladder
 from ddtree.errors import DDTreeError
+from ddtree.model.attention import FLEX_Q_BLOCK, flex_kernel_options, sdpa_operands
+from ddtree.model.capture import node_ladder
 
 # (name, query heads, KV heads, q/k head dim, v head dim) as one rank's attention sees them
 REAL = [

@@ -11,11 +11,11 @@ import random
 import pytest
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from ddtree.detokenize import IncrementalDetokenizer
 from ddtree.engine import Engine
-from ddtree.models import DEFAULT_TARGET, load_target
-from ddtree.output import OutputState
-from ddtree.params import SamplingParams
+from ddtree.model.loader import DEFAULT_TARGET, load_target
+from ddtree.request.detokenize import IncrementalDetokenizer
+from ddtree.request.output import OutputState
+from ddtree.request.params import SamplingParams
 
 EOS = 0  # the built-in tokenizer's <|endoftext|>; <|mask|> (1) is special too
 BYTE_TOKENS = bytes_to_unicode()

@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ddtree.drafter import DFlashDrafter, default_target_layer_ids, dflash_config
 from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
-from ddtree.kv_cache import KVLayout, PagedKVCache
+from ddtree.model.kv_cache import KVLayout, PagedKVCache
+from ddtree.speculative.drafter import DFlashDrafter, default_target_layer_ids, dflash_config
 from tests.conftest import MASK, tiny_drafter, tiny_target
 
 

@@ -15,7 +15,7 @@ import torch
 from ddtree import DDTreeError
 from ddtree.engine import Engine
 from ddtree.engine.verifier import Verifier
-from ddtree.params import SamplingParams
+from ddtree.request.params import SamplingParams
 
 NEW = 40
 

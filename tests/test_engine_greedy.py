@@ -8,10 +8,10 @@ import torch
 
 import ddtree.engine.verifier as verifier_module
 from ddtree.engine import Engine
-from ddtree.kv_cache import pack_buffers
-from ddtree.params import SamplingParams
-from ddtree.tree import TreeSpec, build_tree_batch, draft_candidates
-from ddtree.verify import ancestor_mask
+from ddtree.model.kv_cache import pack_buffers
+from ddtree.request.params import SamplingParams
+from ddtree.speculative.tree import TreeSpec, build_tree_batch, draft_candidates
+from ddtree.speculative.verify import ancestor_mask
 from tests.oracles import tree_row
 
 PROMPTS = [[1, 5, 9, 22, 3], [7], [30, 2, 2, 14, 8, 19, 25, 11, 4, 0, 6, 13]]
@@ -76,8 +76,9 @@ def test_draft_precision_changes_proposals_not_output(pair, draft_dtype):
     change. The caller's drafter keeps its own weights."""
     target, drafter = pair
     engine = Engine(target, drafter, method="ddtree", budget=16, draft_dtype=draft_dtype)
-    assert engine.draft_head.dtype == draft_dtype
-    assert {p.dtype for layer in engine.drafter.layers for p in layer.mlp.parameters()} == {draft_dtype}
+    assert engine.runner.draft_head.dtype == draft_dtype
+    layers = engine.runner.drafter.layers
+    assert {p.dtype for layer in layers for p in layer.mlp.parameters()} == {draft_dtype}
     assert {p.dtype for p in drafter.parameters()} == {torch.float32}
     for prompt in PROMPTS:
         result = engine.generate(prompt, SamplingParams(max_new_tokens=NEW))
@@ -140,7 +141,7 @@ def test_kv_compaction_leaves_the_cache_of_a_fresh_forward(pair, kept_path):
     is already in place."""
     target, drafter = pair
     engine = Engine(target, drafter, max_batch_size=2, block_size=4)
-    cache, forward = engine.cache, engine.forward
+    cache, forward = engine.runner.cache, engine.runner.forward
     tables = torch.zeros(1, cache.width + 1, dtype=torch.long)
     tables[0, : cache.width] = torch.randperm(engine.runner.num_blocks - 1)[: cache.width] + 1
     generator = torch.Generator().manual_seed(0)
@@ -148,11 +149,11 @@ def test_kv_compaction_leaves_the_cache_of_a_fresh_forward(pair, kept_path):
     start = len(prompt)
 
     def run(ids: list[int], positions: list[int], cols: list[int], visible: torch.Tensor) -> torch.Tensor:
-        span = engine.runner.span(visible.shape[-1])
+        span = engine.runner.shapes.span(visible.shape[-1])
         visible = torch.nn.functional.pad(visible, (0, span - visible.shape[-1]))  # masked whole blocks
         write = cache.at(tables, torch.tensor([cols]), span)
         hidden, _ = forward(torch.tensor([ids]), torch.tensor([positions]), write, visible[None, None])
-        return engine.lm_head(hidden[0])  # [T, V]
+        return engine.runner.lm_head(hidden[0])  # [T, V]
 
     with torch.inference_mode():
         causal = torch.ones(start, start, dtype=torch.bool).tril()

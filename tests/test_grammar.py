@@ -1,4 +1,5 @@
-"""Structured outputs' grammar side (``ddtree.grammar``): the masks a draft tree gets are, node by node,
+"""Structured outputs' grammar side (``ddtree.request.grammar``): the masks a draft tree gets are, node by
+node,
 what a matcher fed that node's path allows; bad constraints are one-line errors (a compile past the bound:
 ``tests/test_grammar_isolation.py``)."""
 
@@ -12,9 +13,9 @@ import torch
 import xgrammar as xgr
 
 from ddtree.errors import DDTreeError
-from ddtree.grammar import GrammarCompiler, apply_masks
-from ddtree.models import DEFAULT_TARGET, load_tokenizer
-from ddtree.params import StructuredOutputs
+from ddtree.model.loader import DEFAULT_TARGET, load_tokenizer
+from ddtree.request.grammar import GrammarCompiler, apply_masks
+from ddtree.request.params import StructuredOutputs
 
 SCHEMA = {
     "type": "object",

@@ -16,12 +16,12 @@ import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
-from ddtree import grammar
 from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
-from ddtree.grammar import GrammarCompiler
-from ddtree.models import DEFAULT_TARGET, load_tokenizer
-from ddtree.params import StructuredOutputs
+from ddtree.model.loader import DEFAULT_TARGET, load_tokenizer
+from ddtree.request import grammar
+from ddtree.request.grammar import GrammarCompiler
+from ddtree.request.params import StructuredOutputs
 from ddtree.server import ServerConfig, create_app
 from tests.conftest import save_models
 from tests.server_helpers import ThreadServer

@@ -5,8 +5,8 @@ are counted with a ``TorchFunctionMode`` during one round of 16 rows: reads of a
 (``tolist``, ``item``, ``cpu``, ``numpy`` and Python's ``bool`` / ``int`` / ``float`` / ``index`` of a
 tensor), ops whose output size depends on the data (``nonzero``, boolean indexing, ``unique``...), and
 blocking uploads (Python data onto a device, or a host tensor copied without ``non_blocking`` from pinned
-memory: ``ddtree.capture.upload`` is the round's one way up). ``DDTREE_TEST_DEVICE=cuda`` runs the engine
-on CUDA (``scripts/accelerator_check.sh`` also counts the syncs CUDA itself reports, with
+memory: ``ddtree.model.capture.upload`` is the round's one way up). ``DDTREE_TEST_DEVICE=cuda`` runs the
+engine on CUDA (``scripts/accelerator_check.sh`` also counts the syncs CUDA itself reports, with
 ``torch.cuda.set_sync_debug_mode``).
 """
 
@@ -262,9 +262,9 @@ def test_structured_output_rows_add_one_read_of_their_trees_and_no_blocking_uplo
     params = [constrained if i % 4 == 0 else greedy if i % 2 else sampled[i % 4] for i in range(16)]
     methods = ["ddtree"] * 12 + ["dflash", "dflash", "ar", "ar"]
     calls = reads_in_one_round(engine, params, methods)
-    # ddtree/grammar.py only ever holds host data (the trees' copy, xgrammar's bitmasks): its conversions
-    # look like reads to this counter on the CPU, where every tensor is a host tensor.
-    calls = [c for c in calls if "ddtree/grammar.py" not in c]
+    # request/grammar.py only ever holds host data (the trees' copy, xgrammar's bitmasks): its
+    # conversions look like reads to this counter on the CPU, where every tensor is a host tensor.
+    calls = [c for c in calls if "request/grammar.py" not in c]
     assert not [c for c in calls if c.startswith("blocking upload")], calls
     assert len(calls) == 3 and any("verifier.py" in c and c.startswith("cpu") for c in calls), calls
 

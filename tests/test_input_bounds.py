@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
-from ddtree.params import (
+from ddtree.request.params import (
     LOGIT_BIAS_RANGE,
     MAX_TEMPERATURE,
     MAX_TOP_K,

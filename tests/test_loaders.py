@@ -22,14 +22,14 @@ from transformers import (
 from ddtree.cli import main
 from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
-from ddtree.models import (
+from ddtree.model.loader import (
     DTYPE_CHOICES,
     SUPPORTED_MODEL_TYPES,
     load_drafter,
     load_target,
     resolve_dtype,
 )
-from ddtree.params import SamplingParams
+from ddtree.request.params import SamplingParams
 from tests.conftest import tiny_config_fields, tiny_drafter, tiny_target, tiny_tokenizer
 
 ARCHS = ("qwen3_moe", "qwen2", "mistral", "llama")

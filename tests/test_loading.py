@@ -1,4 +1,4 @@
-"""Slice-wise loading (ddtree.checkpoint) and quantized checkpoints (ddtree.quantization).
+"""Slice-wise loading (ddtree.model.checkpoint) and quantized checkpoints (ddtree.model.quantization).
 
 A rank's shard read slice by slice equals ``from_pretrained`` + ``shard_target`` exactly, for dense, MoE
 and MLA targets (Kimi's multimodal wrapper included); under TP 2 a rank reads exactly what it keeps: half
@@ -20,12 +20,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ddtree.checkpoint import Checkpoint, plan_sources, read_source
 from ddtree.engine import Engine
-from ddtree.models import load_target
-from ddtree.params import SamplingParams
-from ddtree.quantization import PACK, dequantize_fp8, dequantize_int4, unpack_int4
-from ddtree.tensor_parallel import shard_target
+from ddtree.model.checkpoint import Checkpoint, plan_sources, read_source
+from ddtree.model.loader import load_target
+from ddtree.model.quantization import PACK, dequantize_fp8, dequantize_int4, unpack_int4
+from ddtree.model.tensor_parallel import shard_target
+from ddtree.request.params import SamplingParams
 from tests.conftest import moe_drafter, tiny_moe_target, tiny_target
 from tests.test_engine_greedy import hf_greedy
 from tests.test_loaders import refusal
@@ -163,7 +163,7 @@ def test_each_rank_reads_its_slices_and_the_replicated_tensors_only(saved, caplo
     split = {k for k in sizes if part(k) != "replicated" and k.endswith(".weight")}
     reads = []
     for rank in range(WORLD):
-        with caplog.at_level(logging.INFO, logger="ddtree.models"):
+        with caplog.at_level(logging.INFO, logger="ddtree.model.loader"):
             shard, _ = load_target(saved, shard=(rank, WORLD))
         stats = shard.load_stats
         buffers = sum(b.numel() * 4 for n, b in shard.named_buffers() if n in shard.state_dict())
@@ -320,7 +320,7 @@ def test_a_quantized_checkpoint_dequantizes_at_load_and_decodes_hf_greedy(kind, 
     directory = tmp_path / kind
     reference = save_quantized(target, kind, directory)
     moe_drafter(target).save_pretrained(tmp_path / "drafter")
-    with caplog.at_level(logging.INFO, logger="ddtree.models"):
+    with caplog.at_level(logging.INFO, logger="ddtree.model.loader"):
         loaded, _ = load_target(directory)
     assert path in caplog.text
     dequantized, _ = load_target(reference)  # from_pretrained of the whole-tensor dequantization

@@ -7,7 +7,7 @@ import torch
 
 from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
-from ddtree.params import SamplingParams
+from ddtree.request.params import SamplingParams
 
 PROMPT = [1, 5, 9, 22, 3]
 

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import ddtree.models as models_module
-from ddtree.capture import tree_mask
+import ddtree.model.loader as models_module
 from ddtree.cli import main
-from ddtree.drafter import DFlashDrafter, dflash_config
 from ddtree.engine import Engine
-from ddtree.forward import TargetForward
-from ddtree.kv_cache import PagedKVCache
-from ddtree.models import load_target, text_backbone
-from ddtree.params import SamplingParams
+from ddtree.model.capture import tree_mask
+from ddtree.model.forward import TargetForward
+from ddtree.model.kv_cache import PagedKVCache
+from ddtree.model.loader import load_target, text_backbone
+from ddtree.request.params import SamplingParams
+from ddtree.speculative.drafter import DFlashDrafter, dflash_config
 from ddtree.training.drafter import (
     DrafterConfig,
     build_drafter,
@@ -68,7 +68,7 @@ def saved(request, tmp_path_factory):
 def test_every_family_decodes_exactly_hf_greedy_with_every_method(saved):
     kind, target_dir, drafter_dir, expected = saved
     engine = Engine.from_pretrained(target_dir, drafter_dir, max_model_len=CONTEXT, max_num_seqs=3)
-    assert engine.cache.layout.is_latent == (kind != "glm4_moe")
+    assert engine.runner.cache.layout.is_latent == (kind != "glm4_moe")
     params = SamplingParams(max_new_tokens=NEW)
     for method, budget in (("ar", 1), ("dflash", 1), ("ddtree", 4), ("ddtree", 32)):
         prompts = [list(p) for p in expected]
@@ -115,7 +115,7 @@ def test_mla_batch_preemption_and_chunked_prefill_change_no_output(mla):
     requests = specs(6, new=60)
     probe = Engine(*mla, max_model_len=CONTEXT, **FIXED)
     solo = [run(probe, [spec])[0] for spec in requests]
-    per_request = -(-(20 + 60 + probe.drafter.block_size) // 16)
+    per_request = -(-(20 + 60 + probe.runner.drafter.block_size) // 16)
     budget = 2 * per_request * probe.runner.block_bytes
     tight = Engine(*mla, max_model_len=96, max_num_seqs=6, kv_cache_memory=budget, **FIXED)
     assert run(tight, requests) == solo
@@ -144,7 +144,7 @@ def test_compiled_mla_rounds_match_eager(attention):
         attention=attention,
     )
     assert run(compiled, requests) == eager
-    assert bool(compiled.runner.block_masks) == (attention == "flex")  # the rounds went through flex
+    assert bool(compiled.runner.shapes.block_masks) == (attention == "flex")  # the rounds went through flex
 
 
 def test_absorbed_and_expanded_mla_attention_agree_on_trees(mla):
@@ -200,7 +200,7 @@ def test_kv_cache_bytes_per_token_is_the_layouts_formula(kind):
         formula = config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * 4
     else:
         formula = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
-    assert engine.kv_cache_bytes_per_token == formula
+    assert engine.runner.kv_cache_bytes_per_token == formula
     d = drafter.config
     draft = d.num_hidden_layers * 2 * d.num_key_value_heads * d.head_dim * 4
     assert engine.runner.block_bytes == 16 * (formula + draft)
@@ -212,7 +212,7 @@ def test_kv_cache_bytes_per_token_is_the_layouts_formula(kind):
 
 def guard_warnings(caplog, target, drafter, tokenizer=None) -> list[str]:
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="ddtree.models"):
+    with caplog.at_level(logging.WARNING, logger="ddtree.model.loader"):
         models_module.check_pair(target, drafter, tokenizer)
     return [r.getMessage() for r in caplog.records]
 

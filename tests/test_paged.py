@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from ddtree import Engine, SamplingParams
-from ddtree.engine import memory, model_runner
+from ddtree.engine import memory
 from ddtree.errors import DDTreeError
-from ddtree.kv_cache import KVLayout, PagedKVCache
-from ddtree.params import parse_size
+from ddtree.model.kv_cache import KVLayout, PagedKVCache
+from ddtree.request.params import parse_size
 from tests.conftest import VOCAB, tiny_drafter, tiny_target
 
 PROMPTS = [[1, 5, 9, 22, 3], [7], [30, 2, 2, 14, 8, 19, 25, 11, 4, 0, 6, 13]]
@@ -90,7 +90,7 @@ def test_the_pool_grows_with_the_memory_share(models, monkeypatch):
     """Without --kv-cache-memory the pool is the share of the available memory less the activations: each
     extra tenth of it buys a tenth of the memory in blocks."""
     monkeypatch.setattr(memory, "available_memory", lambda device: (200 << 20, 200 << 20, "200 MiB"))
-    monkeypatch.setattr(model_runner.ModelRunner, "extrapolated_peak", lambda *a: lambda blocks: 30 << 20)
+    monkeypatch.setattr(memory, "extrapolated_peak", lambda *a: lambda blocks: 30 << 20)
     sizes = {u: engine(models, gpu_memory_utilization=u, max_model_len=4096).runner for u in (0.5, 0.6)}
     assert sizes[0.6].num_blocks - 1 < 16 * sizes[0.6].width  # below the cap: the share decides
     extra = (sizes[0.6].num_blocks - sizes[0.5].num_blocks) * sizes[0.5].block_bytes
@@ -110,7 +110,7 @@ def test_where_activations_could_decide_the_pool_it_gets_what_the_profiled_step_
         models, max_model_len=4096, max_num_batched_tokens=1024, gpu_memory_utilization=0.4, max_num_seqs=64
     ).runner
     peak = runner.profiled_activation_bytes
-    assert peak is not None and peak >= model_runner.PROFILE_SLACK
+    assert peak is not None and peak >= memory.PROFILE_SLACK
     assert runner.num_blocks - 1 == (int(0.4 * (1 << 30)) - peak) // runner.block_bytes
 
 
@@ -204,11 +204,11 @@ def test_a_finished_request_frees_its_blocks_and_moves_nobody_elses(models):
     used = e.blocks.num_used
     while any(r.request_id == short for r in e.running):
         blocks_before, committed = list(long_.blocks), long_.start
-        keys_before = e.cache.keys[0][blocks_before].clone()
+        keys_before = e.runner.cache.keys[0][blocks_before].clone()
         e.step()
     assert long_.blocks[: len(blocks_before)] == blocks_before
     # Its committed keys stayed where they were through the round that released the short request.
-    after = e.cache.keys[0][blocks_before].flatten(0, 1)[:committed]
+    after = e.runner.cache.keys[0][blocks_before].flatten(0, 1)[:committed]
     assert torch.equal(after, keys_before.flatten(0, 1)[:committed])
     assert e.blocks.num_used < used + 2  # the short one's blocks came back
 
@@ -217,7 +217,7 @@ def test_preempted_requests_resume_with_the_tokens_of_their_solo_run(models):
     """A pool of about three long requests' worth and 12 long requests at once: rows are preempted when
     the pool runs out and recomputed later; every request completes with its solo run's tokens."""
     probe = engine(models)
-    per_request = -(-(20 + 150 + probe.drafter.block_size) // 16)  # blocks of one whole request
+    per_request = -(-(20 + 150 + probe.runner.drafter.block_size) // 16)  # blocks of one whole request
     e = engine(models, kv_cache_memory=3 * per_request * probe.runner.block_bytes, max_num_seqs=12)
     specs = []
     for i in range(12):
@@ -239,7 +239,7 @@ def test_every_block_comes_back_after_aborts(models):
     pool ends whole."""
     rng = random.Random(0)
     probe = engine(models)
-    per_request = -(-(12 + 40 + probe.drafter.block_size) // 16)
+    per_request = -(-(12 + 40 + probe.runner.drafter.block_size) // 16)
     e = engine(
         models, kv_cache_memory=4 * per_request * probe.runner.block_bytes, max_num_seqs=6, max_model_len=64
     )
@@ -300,8 +300,9 @@ def test_while_streams_decode_a_prefill_step_takes_what_a_few_rounds_time_prefil
     """The engine's measured averages set the chunk (4 rounds of 10 ms at 0.5 ms a token: 80 tokens); the
     scheduler cuts a long prompt to it only while requests decode, and to the token budget otherwise."""
     e = engine(models, prefill_gap_rounds=4, max_model_len=512, max_num_batched_tokens=256)
-    e._round_seconds, e._token_seconds = 0.010, 0.0005
-    e._pace_prefill()
+    pacer = e.core.pacer
+    pacer.round_seconds, pacer.token_seconds = 0.010, 0.0005
+    pacer.pace()
     assert e.scheduler.decode_chunk == 80
     alone = e.add_request(tokens(300), SamplingParams(max_new_tokens=4))
     assert [c.tokens for c in e.scheduler.schedule_prefill()] == [256]  # nothing decodes: the whole budget
@@ -311,10 +312,10 @@ def test_while_streams_decode_a_prefill_step_takes_what_a_few_rounds_time_prefil
     e.step()  # its prefill; it decodes from now on
     e.step()  # a round: the next step may prefill
     e.add_request(tokens(300, salt=1), SamplingParams(max_new_tokens=4))
-    e._round_seconds, e._token_seconds = 0.010, 0.0005  # the steps above measured this machine
-    e._pace_prefill()
+    pacer.round_seconds, pacer.token_seconds = 0.010, 0.0005  # the steps above measured this machine
+    pacer.pace()
     assert [c.tokens for c in e.scheduler.schedule_prefill()] == [80]
-    e.scheduler.decode_chunk = 4  # never below one KV block a step: _pace_prefill's floor
-    e._token_seconds = 1.0
-    e._pace_prefill()
+    e.scheduler.decode_chunk = 4  # never below one KV block a step: the pacer's floor
+    pacer.token_seconds = 1.0
+    pacer.pace()
     assert e.scheduler.decode_chunk == e.blocks.block_size

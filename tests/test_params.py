@@ -8,7 +8,7 @@ import math
 import pytest
 
 from ddtree.errors import DDTreeError
-from ddtree.params import (
+from ddtree.request.params import (
     LOGIT_BIAS_RANGE,
     MAX_TEMPERATURE,
     MAX_TOP_K,
@@ -20,7 +20,7 @@ from ddtree.params import (
     check_accept_thresholds,
     check_speculative_options,
 )
-from ddtree.stats import mean_acceptance_length
+from ddtree.request.stats import mean_acceptance_length
 
 
 def test_speculative_options_pass_through_when_valid() -> None:

@@ -15,7 +15,7 @@ import torch
 import tests.test_sampling_lossless as lossless
 from ddtree import Engine, SamplingParams
 from ddtree.errors import DDTreeError
-from ddtree.penalties import RequestPenalties
+from ddtree.request.penalties import RequestPenalties
 from tests.conftest import real_size_models
 
 PROMPTS = ["def fibonacci(n):", "class Stack:", "import os"]

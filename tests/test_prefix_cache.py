@@ -50,20 +50,9 @@ def outputs(e: Engine, params: list[SamplingParams], method: str) -> list[tuple[
 
 
 def assert_accounting(e: Engine) -> None:
-    """Every allocatable block is free, cached or owned, exactly once, and its reference count is the
-    number of running requests' tables holding it."""
-    blocks, owners = e.blocks, e.scheduler.running
-    counts = [0] * blocks.num_blocks
-    for r in owners:
-        for block in r.blocks:
-            counts[block] += 1
-    assert counts == blocks._refs, "reference counts differ from the tables"
-    free, cached, indexed = set(blocks._free), set(blocks._cached), set(blocks._key_of)
-    owned = {b for b in range(1, blocks.num_blocks) if counts[b]}
-    assert len(free) == len(blocks._free) and not free & cached and not (free | cached) & owned
-    assert free | cached | owned == set(range(1, blocks.num_blocks)), "a block is lost"
-    assert cached <= indexed and not free & indexed
-    assert all(blocks._key_of[b] == k for k, b in blocks._block_of.items())
+    """The block manager's accounting holds for the running requests' tables, and an idle engine has
+    every allocatable block back."""
+    e.blocks.check_invariants(r.blocks for r in e.scheduler.running)
     if not e.scheduler.has_unfinished():
         assert e.blocks.num_free == e.blocks.num_blocks - 1
 
@@ -169,7 +158,20 @@ def test_the_pool_accounts_for_every_block_through_random_schedules(models):
         while e.has_unfinished_requests():
             e.step()
         assert_accounting(e)
-        assert len(e.blocks._key_of) > 0 and e.blocks.hit_tokens > 0
+        assert e.blocks.num_indexed > 0 and e.blocks.hit_tokens > 0
+
+
+def test_the_invariant_check_catches_a_table_that_lost_a_block(models):
+    """The accounting check is no formality: a running request's table missing one block (as a leak
+    would leave it) fails it."""
+    e = engine(models)
+    e.add_request(PROMPTS[0], SamplingParams(max_new_tokens=8), method="ar")
+    e.step()
+    tables = [list(r.blocks) for r in e.scheduler.running]
+    e.blocks.check_invariants(tables)
+    tables[0].pop()
+    with pytest.raises(AssertionError, match="reference counts"):
+        e.blocks.check_invariants(tables)
 
 
 def test_an_mla_target_caches_its_latent_blocks(models):
@@ -189,7 +191,7 @@ def test_an_mla_target_caches_its_latent_blocks(models):
 def test_without_prefix_caching_nothing_is_indexed(models):
     e = engine(models, caching=False)
     outputs(e, [GREEDY] * 3, "ddtree")
-    assert len(e.blocks._key_of) == 0 and e.blocks.queried_tokens == 0 and e.blocks.hit_tokens == 0
+    assert e.blocks.num_indexed == 0 and e.blocks.queried_tokens == 0 and e.blocks.hit_tokens == 0
     assert_accounting(e)
 
 
@@ -197,7 +199,7 @@ def test_the_built_in_pair_drafts_after_a_hit_exactly_as_cold():
     """With a trained drafter (tau about 4 here) a drafter context lost or shifted by a hit would show in
     the acceptance lengths: they match a cold run's round by round, and so do the tokens."""
     warm = Engine.from_pretrained(budget=16, prefill_gap_rounds=None, max_model_len=1024)
-    cold = Engine(warm.target, warm.drafter, warm.tokenizer, budget=16, prefill_gap_rounds=None,
+    cold = Engine(warm.target, warm.runner.drafter, warm.tokenizer, budget=16, prefill_gap_rounds=None,
                   max_model_len=1024, enable_prefix_caching=False)  # fmt: skip
     system = "You are a careful Python programmer. Write small, clear functions with docstrings. " * 4
     prompts = [system + q for q in ("def fibonacci(n):", "def is_prime(n):", "def quicksort(xs):")]
@@ -218,7 +220,7 @@ def test_reset_prefix_cache_makes_the_next_request_cold(models):
     """vLLM's ``reset_prefix_cache``: what benchmarks call between configurations on the same prompts."""
     e = engine(models)
     e.generate(PROMPTS[0], GREEDY, method="ar")
-    assert len(e.blocks._key_of) > 0
+    assert e.blocks.num_indexed > 0
     e.reset_prefix_cache()
-    assert len(e.blocks._key_of) == 0 and e.generate(PROMPTS[0], GREEDY, method="ar").stats.cached_tokens == 0
+    assert e.blocks.num_indexed == 0 and e.generate(PROMPTS[0], GREEDY, method="ar").stats.cached_tokens == 0
     assert_accounting(e)

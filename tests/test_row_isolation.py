@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from ddtree.engine import Engine
-from ddtree.params import SamplingParams
+from ddtree.request.params import SamplingParams
 from ddtree.server import ServerConfig, create_app
 from tests.server_helpers import ThreadServer, metric, scrape, sse_events
 

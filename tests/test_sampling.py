@@ -15,22 +15,24 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-import ddtree.sampling as sampling_module
+import ddtree.speculative.sampling as sampling_module
 from ddtree.errors import DDTreeError
-from ddtree.params import SamplingParams
-from ddtree.sampling import SamplingTensors, filtered_probs, sample_tree_batch
-from ddtree.tree import TreeSpec, build_tree_batch, draft_candidates
-from tests.conftest import tree_from_parents
-from tests.oracles import (
+from ddtree.request.params import SamplingParams
+from ddtree.sglang import (
     DraftTree,
     TreeRetrieve,
     compile_ddtree_retrieve,
+    tree_speculative_sampling_target_only,
+)
+from ddtree.speculative.sampling import SamplingTensors, filtered_probs, sample_tree_batch
+from ddtree.speculative.tree import TreeSpec, build_tree_batch, draft_candidates
+from tests.conftest import tree_from_parents
+from tests.oracles import (
     filtered_probs_reference,
     sample_from_probs,
     sample_tree,
     target_probs_from_logits,
     tree_sampling_reference,
-    tree_speculative_sampling_target_only,
 )
 
 
@@ -188,17 +190,16 @@ SGLANG_ROWS = dict(
     retrive_next_token=[[1, 2, -1, 4, 5, -1], [4, 2, 3, -1, 5, -1]],
     retrive_next_sibling=[[-1, 3, -1, -1, -1, -1], [-1, -1, -1, -1, 1, -1]],
 )
-SGLANG_EXPECTED = (
-    [3, -1, -1, 4, 5, 18, 11, -1, -1, -1, 12, 18],  # predicts
-    [[0, 3, 4, 5], [6, 10, 11, -1]],  # accept_index
-    [3, 2],  # accept_token_num
-)
+SGLANG_EXPECTED = {  # (predicts, accept_index, accept_token_num) by (threshold_single, threshold_acc)
+    (1, 1): ([3, -1, -1, 4, 5, 18, 11, -1, -1, -1, 12, 18], [[0, 3, 4, 5], [6, 10, 11, -1]], [3, 2]),
+    (0, 0): ([1, 2, 18, -1, -1, -1, 11, -1, -1, -1, 12, 18], [[0, 1, 2, -1], [6, 10, 11, -1]], [2, 2]),
+}
 
 
 @pytest.mark.parametrize("threshold_single, threshold_acc", [(1, 1), (0, 0)])
 def test_sglang_vectors_for_default_and_zero_thresholds(threshold_single, threshold_acc):
-    """(0, 0) accepts any drafted token with positive target mass, so on one-hot targets it walks the
-    same path as (1, 1): zero-mass candidates (row 0's token 1) are still refused."""
+    """sgl_kernel's own test vectors: (1, 1) walks the one-hot targets' path; (0, 0) takes every first
+    child, massless ones too (the kernel accepts on p >= threshold_single alone), as its test expects."""
     logits = torch.full((2, 6, 20), 1.0)
     for row, node, token in [(0, 0, 3), (0, 3, 4), (0, 4, 5), (1, 0, 11), (1, 4, 12)]:
         logits[row, node, token] = 10
@@ -221,13 +222,14 @@ def test_sglang_vectors_for_default_and_zero_thresholds(threshold_single, thresh
             threshold_single=threshold_single,
             threshold_acc=threshold_acc,
         )
-        assert (predicts.tolist(), accept_index.tolist(), accept_token_num.tolist()) == SGLANG_EXPECTED
+        expected = SGLANG_EXPECTED[threshold_single, threshold_acc]
+        assert (predicts.tolist(), accept_index.tolist(), accept_token_num.tolist()) == expected
 
 
 @pytest.mark.parametrize(
     "candidate_tokens, root_probs, coin, threshold_single, expected_token, expected_accepted",
     [
-        ([2], [0.0, 1.0, 0.0], 0.0, 0.0, 1, 0),  # zero mass, zero threshold: refused, bonus token 1
+        ([2], [0.0, 1.0, 0.0], 0.0, 0.0, 2, 1),  # zero threshold: p >= 0 takes even a massless child
         ([2], [0.0, 1.0, 0.0], 0.0, 1.0, 1, 0),  # zero mass, default threshold
         ([1, 2, 3], [0.0, 0.25, 0.0, 0.75], 0.25, 1.0, 3, 1),  # a coin on a boundary goes to the next child
         ([1], [0.0, 0.25, 0.75], 0.0, 1.0, 1, 1),  # coin 0 accepts a first child with mass
@@ -267,16 +269,22 @@ def test_default_thresholds_reject_what_lowered_thresholds_accept():
     assert accepted(threshold_acc=0.0) == 1  # floored at 1e-9, as the kernel's launcher does
 
 
-def test_zero_mass_candidates_are_never_accepted_even_with_coin_zero():
+def test_zero_mass_candidates_are_accepted_only_by_a_zero_single_threshold():
+    """With coin 0 a massless first child is refused by the lossless rule and by threshold_acc 0; only
+    threshold_single 0 takes it (sgl_kernel accepts on p >= threshold_single alone)."""
     tree, retrieve = make_tree([-1, 0, 0], [0, 1, 2])
     probs = torch.tensor([[0.3, 0.0, 0.7], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
-    for thresholds in [{}, {"threshold_single": 0.0}, {"threshold_acc": 0.0}]:
+    for thresholds, node, token in [
+        ({}, 2, 2),
+        ({"threshold_acc": 0.0}, 2, 2),
+        ({"threshold_single": 0.0}, 1, 1),
+    ]:
         coins = torch.tensor([[0.0, 0.0, 0.0]])
         predicts, accept_index, num, _ = run_kernel(
             [(tree, retrieve)], probs[None], coins, torch.tensor([0.0]), 2, **thresholds
         )
-        assert accept_index.tolist() == [[0, 2]] and num.tolist() == [1]
-        assert predicts[[0, 2]].tolist() == [2, 0]
+        assert accept_index.tolist() == [[0, node]] and num.tolist() == [1]
+        assert predicts[0].tolist() == token
 
 
 def test_rejection_bonus_draws_from_the_residual_without_rejected_tokens():

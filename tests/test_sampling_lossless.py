@@ -1,8 +1,9 @@
 """End-to-end losslessness of sampled decoding: the engine's tokens follow the target's distribution.
 
 A tiny random target over a 6-token vocabulary has its exact law over the next 3 tokens enumerated with
-plain forwards and HF's logits warpers (independent of ``ddtree.sampling``). Many seeded ``Engine.generate``
-calls with ``ddtree`` and ``dflash`` must pass a chi-square and a G-test against it; the same check must
+plain forwards and HF's logits warpers (independent of ``ddtree.speculative.sampling``). Many seeded
+``Engine.generate`` calls with ``ddtree`` and ``dflash`` must pass a chi-square and a G-test against it; the
+same check must
 reject a deliberately biased acceptance rule at the same sample count.
 
 The requests are decoded in continuously batched runs: every counted request shares its rounds with other
@@ -30,11 +31,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from ddtree.budget import CostModel, LinearCost
-from ddtree.drafter import DFlashDrafter, dflash_config
 from ddtree.engine import Engine
 from ddtree.engine.verifier import Verifier
-from ddtree.params import SamplingParams
+from ddtree.request.params import SamplingParams
+from ddtree.speculative.budget import CostModel, LinearCost
+from ddtree.speculative.drafter import DFlashDrafter, dflash_config
 
 VOCAB = 6
 PROMPT = [0, 3, 1, 4, 2]

@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from ddtree.engine import Engine
-from ddtree.params import SamplingParams, StructuredOutputs
+from ddtree.request.params import SamplingParams, StructuredOutputs
 from ddtree.server import ServerConfig, create_app
 from ddtree.server.chat import plain_prompt
 from ddtree.server.tokens import TokenNames
@@ -464,7 +464,7 @@ class ThreadRecordingTokenizer:
 
 def test_the_engine_thread_never_tokenizes_or_detokenizes(engine):
     spy = ThreadRecordingTokenizer(engine.tokenizer)
-    spied = Engine(engine.target, engine.drafter, spy, budget=16)
+    spied = Engine(engine.target, engine.runner.drafter, spy, budget=16)
     client = start(lambda: spied)
     try:
         wait_until_ready(client)

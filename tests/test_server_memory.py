@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ddtree import Engine, SamplingParams
-from ddtree.models import resolve_dtype
+from ddtree.model.loader import resolve_dtype
 from tests.conftest import real_size_models, save_models
 from tests.server_helpers import metric, scrape, serving
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from ddtree.engine import Engine
-from ddtree.params import SamplingParams
+from ddtree.request.params import SamplingParams
 from ddtree.server import ServerConfig, create_app
 from tests.conftest import tiny_models
 from tests.server_helpers import ThreadServer, metric, scrape, sse_events

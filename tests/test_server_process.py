@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from ddtree.engine import Engine
-from ddtree.params import SamplingParams
+from ddtree.request.params import SamplingParams
 from ddtree.server.chat import plain_prompt
 from tests.conftest import save_models
 from tests.server_helpers import ServerProcess, metric, scrape, server_env, sse_events

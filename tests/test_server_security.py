@@ -196,10 +196,10 @@ def test_no_key_appears_in_the_log(server):
 def test_keys_come_from_repeated_flags_or_else_the_comma_separated_environment_variable():
     parse = build_parser().parse_args
     args = parse(["serve", "--api-key", "a", "b", "--api-key", "c"])
-    assert api_keys(args.api_key, {"DDTREE_API_KEY": "env"}) == ("a", "b", "c")
+    assert api_keys(args.api_keys, {"DDTREE_API_KEY": "env"}) == ("a", "b", "c")
     args = parse(["serve"])
-    assert api_keys(args.api_key, {"DDTREE_API_KEY": " d, e ,,"}) == ("d", "e")
-    assert api_keys(args.api_key, {}) == () and api_keys(args.api_key, {"DDTREE_API_KEY": ""}) == ()
+    assert api_keys(args.api_keys, {"DDTREE_API_KEY": " d, e ,,"}) == ("d", "e")
+    assert api_keys(args.api_keys, {}) == () and api_keys(args.api_keys, {"DDTREE_API_KEY": ""}) == ()
 
 
 def test_without_a_key_only_a_server_beyond_loopback_warns():

@@ -26,11 +26,12 @@ PROFILE = """
 import json, sys, torch
 torch.set_num_threads(1)
 from ddtree.engine import Engine
+from ddtree.engine.memory import StepModel, extrapolated_peak, profile_step
 engine = Engine.from_pretrained(kv_cache_memory="16MiB", max_model_len=2048)
-runner = engine.runner
-layout = (len(runner.forward.layers), runner.forward.layout, runner.dtype)
+r = engine.runner
+model = StepModel(r.forward, r.lm_head, r.dtype, r.device, r.drafter, r.block_size)
 shape, reduced = json.loads(sys.argv[1])
-print(runner.extrapolated_peak(layout, *shape)(shape[3]) if reduced else runner.profile_step(layout, *shape))
+print(extrapolated_peak(model, *shape)(shape[3]) if reduced else profile_step(model, *shape))
 """
 
 

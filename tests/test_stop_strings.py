@@ -6,7 +6,7 @@ import pytest
 
 from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
-from ddtree.params import SamplingParams
+from ddtree.request.params import SamplingParams
 from tests.conftest import tiny_drafter, tiny_target, tiny_tokenizer
 from tests.test_engine_greedy import round_spans
 

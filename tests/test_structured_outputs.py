@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerFast
 import tests.test_sampling_lossless as lossless
 from ddtree import Engine, SamplingParams
 from ddtree.errors import DDTreeError
-from ddtree.params import StructuredOutputs
+from ddtree.request.params import StructuredOutputs
 
 SCHEMA = {
     "type": "object",
@@ -84,7 +84,7 @@ def test_greedy_ddtree_and_dflash_emit_constrained_plain_decodings_tokens_at_eve
 def test_a_grammar_that_starts_after_a_marker_leaves_the_text_before_it_free(engine, monkeypatch):
     """``start_after`` (a reasoning parser's end of thinking): free text up to the marker's first run, the
     constraint after it; the run may end anywhere in a draft tree, and every method agrees with ``ar``."""
-    from ddtree.grammar import GrammarState
+    from ddtree.request.grammar import GrammarState
 
     started_in_trees = []
     walk = GrammarState.tree_masks

@@ -29,9 +29,9 @@ from transformers import (
 )
 
 from ddtree.errors import DDTreeError
-from ddtree.forward import TargetForward
-from ddtree.kv_cache import PagedKVCache
-from ddtree.tensor_parallel import TPGroup, shard_target
+from ddtree.model.forward import TargetForward
+from ddtree.model.kv_cache import PagedKVCache
+from ddtree.model.tensor_parallel import TPGroup, shard_target
 from tests.conftest import deepseek_v3_fields, tiny_moe_target, tiny_target
 
 WORLD = 2

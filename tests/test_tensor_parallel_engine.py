@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ddtree.engine import Engine
-from ddtree.params import SamplingParams
+from ddtree.request.params import SamplingParams
 
 TP = 2
 # budget 16: a seed repeats a sample only with a fixed tree (under auto the tree follows timing)
@@ -93,7 +93,9 @@ def test_prefix_cache_hits_under_tensor_parallelism_equal_a_cold_process(single,
     system = "You are a careful Python programmer. Write small, clear functions with docstrings. " * 3
     prompts = [system + q for q in ("def fibonacci(n):", "def is_prime(n):", "def quicksort(xs):")]
     options = {k: v for k, v in OPTIONS.items() if k != "dtype"}
-    cold = Engine(single.target, single.drafter, single.tokenizer, enable_prefix_caching=False, **options)
+    cold = Engine(
+        single.target, single.runner.drafter, single.tokenizer, enable_prefix_caching=False, **options
+    )
     greedy = SamplingParams(max_new_tokens=NEW)
     hits = sharded.blocks.hit_tokens
     warm = [sharded.generate(prompts[0], greedy), *sharded.generate(prompts[1:], greedy)]

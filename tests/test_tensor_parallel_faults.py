@@ -16,7 +16,7 @@ import torch
 
 from ddtree.engine import Engine
 from ddtree.engine.step_channel import FAIL_ENV, TensorParallelError
-from ddtree.params import SamplingParams
+from ddtree.request.params import SamplingParams
 from tests.test_server_api import error_of, start, wait_until_ready
 from tests.test_tensor_parallel_lossless import save_tp_pair
 

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from ddtree.engine import Engine
 from ddtree.engine.step_channel import TensorParallelError
 from ddtree.errors import DDTreeError
-from ddtree.params import SamplingParams
+from ddtree.request.params import SamplingParams
 from tests import test_sampling_lossless as lossless
 from tests.conftest import real_size_models
 from tests.test_tensor_parallel_engine import NEW, OPTIONS, TP, tokens
@@ -121,7 +121,7 @@ def test_a_size_that_cannot_shard_the_target_is_refused_in_one_line(size, messag
 def test_an_engine_built_from_models_in_memory_cannot_shard_them():
     single = Engine.from_pretrained(**OPTIONS)
     with pytest.raises(DDTreeError, match=r"needs Engine.from_pretrained\(TARGET_DIR") as info:
-        Engine(single.target, single.drafter, single.tokenizer, tensor_parallel_size=2)
+        Engine(single.target, single.runner.drafter, single.tokenizer, tensor_parallel_size=2)
     assert "\n" not in str(info.value)
 
 

@@ -16,7 +16,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
-from ddtree.params import SamplingParams
+from ddtree.request.params import SamplingParams
 from tests.conftest import deepseek_v3_fields, moe_drafter, tiny_moe_target, tiny_tokenizer
 from tests.test_loading import save_quantized
 from tests.test_tensor_parallel_engine import PROMPTS, TP, tokens
@@ -56,7 +56,8 @@ def test_a_moe_target_under_tensor_parallelism_equals_one_process(engines):
     assert experts.num_experts == 4 and experts.down_proj.shape[0] == 4  # rank 0's: experts 0..3 of 8
     assert sharded.runner.forward.num_heads == 2  # of 4
     if kind not in ("qwen3_moe", "glm4_moe"):  # MLA's latent pool: every rank's is one process's
-        assert sharded.cache.layout.is_latent and sharded.cache.nbytes() == single.cache.nbytes()
+        assert sharded.runner.cache.layout.is_latent
+        assert sharded.runner.cache.nbytes() == single.runner.cache.nbytes()
     prompts = PROMPTS[:3]
     greedy = SamplingParams(max_new_tokens=NEW)
     reference = tokens(single, "ar", greedy, prompts)

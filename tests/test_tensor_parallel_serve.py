@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ddtree.engine import Engine
-from ddtree.params import SamplingParams
+from ddtree.request.params import SamplingParams
 from tests.server_helpers import ServerProcess, server_env
 
 FLAGS = ["--tensor-parallel-size", "2", "--dtype", "float32", "--max-model-len", "512",

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree.drafter import DFlashDrafter
 from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
-from ddtree.params import SamplingParams
+from ddtree.request.params import SamplingParams
+from ddtree.speculative.drafter import DFlashDrafter
 from ddtree.training import distill
 from ddtree.training.cli import register_drafter
 from ddtree.training.distill import ListPrompts, StreamPrompts, build_sequences, generate_continuations

@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.capture import node_ladder, pick
 from ddtree.errors import DDTreeError
-from ddtree.tree import TreeShape, TreeSpec, build_tree_batch, draft_candidates, top_k_rows
-from tests.oracles import DraftTree, best_first_tree, build_ddtree_tree, compile_ddtree_retrieve, tree_row
+from ddtree.model.capture import node_ladder, pick
+from ddtree.sglang import DraftTree, compile_ddtree_retrieve
+from ddtree.speculative.tree import TreeShape, TreeSpec, build_tree_batch, draft_candidates, top_k_rows
+from tests import oracles
+from tests.oracles import best_first_tree, build_ddtree_tree, tree_row
 
 CASES = [
     # (L, V, budget, topk)
@@ -204,6 +206,8 @@ def test_retrieve_encodes_every_node_once_with_siblings_by_descending_logw(depth
     logits = torch.randn(depth_max, vocab, generator=torch.Generator().manual_seed(budget))
     tree = build_ddtree_tree(logits, budget, topk=topk)
     ret = compile_ddtree_retrieve(tree.parents, tree.logw)
+    ref = oracles.compile_ddtree_retrieve(tree.parents, tree.logw)  # the scalar sort
+    assert torch.equal(ret.next_token, ref.next_token) and torch.equal(ret.next_sibling, ref.next_sibling)
     next_token, next_sibling = ret.next_token.tolist(), ret.next_sibling.tolist()
     assert ret.next_token.dtype == ret.next_sibling.dtype == torch.int64
     assert sorted(_walk(next_token, next_sibling)) == list(range(1, tree.num_nodes))

@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.tree import TreeSpec, build_tree_batch, draft_candidates
-from ddtree.verify import accept_greedy, walk_greedy
+from ddtree.sglang import DraftTree
+from ddtree.speculative.tree import TreeSpec, build_tree_batch, draft_candidates
+from ddtree.speculative.verify import accept_greedy, walk_greedy
 from tests.conftest import tree_from_parents
-from tests.oracles import DraftTree, build_ddtree_tree, follow_verified_tree, tree_row
+from tests.oracles import build_ddtree_tree, follow_verified_tree, tree_row
 
 
 def _walk_with_child_maps(tree: DraftTree, target_tokens: list[int]) -> tuple[list[int], list[int]]:

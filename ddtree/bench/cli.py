@@ -20,7 +20,7 @@ from pathlib import Path
 from ddtree.argparsing import Parser, add_load_options, apply_threads, comma_list
 from ddtree.config import COMPILE_FLAGS, MEMORY_FLAGS, PARALLEL_FLAGS, EngineConfig, add_engine_flags
 from ddtree.errors import DDTreeError
-from ddtree.params import parse_budget
+from ddtree.request.params import parse_budget
 
 DEFAULT_METHODS = "ar,dflash,ddtree,hf,hf-pld"
 DEFAULT_BUDGETS = "auto,4,8,16,32,64,128"
@@ -76,8 +76,8 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
 def compiled_node_buckets(cfg, auto_max_budget: int, drafter) -> list[int]:
     """The default node ladder up to the largest tree the configurations ask for: ddtree's largest integer
     budget (``auto_max_budget`` for "auto"), dflash's chain (``block_size - 1`` drafted nodes)."""
-    from ddtree.capture import node_ladder
-    from ddtree.params import AUTO
+    from ddtree.model.capture import node_ladder
+    from ddtree.request.params import AUTO
 
     deepest = 1
     if "ddtree" in cfg.methods:
@@ -93,7 +93,7 @@ def load_engines(args: argparse.Namespace, cfg, config: EngineConfig):
     hold every budget of ``cfg``. Both time their stages (``profile=True``): the runner reads the drafter's
     first pass."""
     from ddtree.engine import Engine
-    from ddtree.params import AUTO
+    from ddtree.request.params import AUTO
 
     if config.tensor_parallel_size > 1:
         return load_sharded_engine(args, cfg, config)
@@ -125,7 +125,7 @@ def load_sharded_engine(args: argparse.Namespace, cfg, config: EngineConfig):
     from ddtree.bench.runner import HF_METHODS
     from ddtree.engine import Engine
     from ddtree.engine.launch import check_world
-    from ddtree.models import check_device
+    from ddtree.model.loader import check_device
 
     check_world(config.tensor_parallel_size, check_device(args.device))
     if config.compile:
@@ -153,22 +153,23 @@ def compile_info(engines: dict) -> dict:
     engine = engines.get(True)
     if engine is None:
         return {"enabled": False}
+    shapes = engine.runner.shapes
     return {
         "enabled": True,
         "warmup_seconds": engine.warmup_seconds,
-        "batch_buckets": list(engine.batch_buckets),
-        "node_buckets": list(engine.node_buckets),
-        "span_buckets": list(engine.span_buckets),
-        "attention": engine.attention,
-        "shapes": len(engine.batch_buckets) * len(engine.node_buckets) * len(engine.span_buckets),
-        "device": str(engine.device),
+        "batch_buckets": list(shapes.batch_buckets),
+        "node_buckets": list(shapes.node_buckets),
+        "span_buckets": list(shapes.span_buckets),
+        "attention": shapes.attention,
+        "shapes": len(shapes.batch_buckets) * len(shapes.node_buckets) * len(shapes.span_buckets),
+        "device": str(engine.runner.device),
     }
 
 
 def model_dirs(args: argparse.Namespace, needs_drafter: bool):
     """The target's and drafter's directories (the drafter None unless needed) for the flags; the built-in
     pair when no model directory is given."""
-    from ddtree.models import DEFAULT_DRAFTER, DEFAULT_TARGET
+    from ddtree.model.loader import DEFAULT_DRAFTER, DEFAULT_TARGET
 
     if args.target is None and not DEFAULT_TARGET.is_dir():
         raise DDTreeError("the built-in models are not installed; pass --target (and --drafter)")
@@ -183,7 +184,7 @@ def model_dirs(args: argparse.Namespace, needs_drafter: bool):
 
 def load_models(args: argparse.Namespace, needs_drafter: bool):
     """Target, tokenizer and drafter (None unless needed) for the flags, and their directories."""
-    from ddtree.models import check_device, load_drafter, load_target
+    from ddtree.model.loader import check_device, load_drafter, load_target
 
     target, drafter = model_dirs(args, needs_drafter)
     device = check_device(args.device)
@@ -277,7 +278,7 @@ def bench_engines(args: argparse.Namespace, cfg, prompts, engines: dict, target_
             "order": "for each repeat, prompt, temperature: every config back to back, rotated per repeat",
             "argv": sys.argv,
         },
-        "machine": machine_info(engine.device, engine.dtype),
+        "machine": machine_info(engine.runner.device, engine.runner.dtype),
         "wall_seconds": time.perf_counter() - started,
         "compile": compile_info(engines),
         "definitions": DEFINITIONS,
@@ -330,7 +331,7 @@ def run_concurrency_command(args: argparse.Namespace, cfg, engines, prompt_ids: 
             "compile": cfg.compile,
             "argv": sys.argv,
         },
-        "machine": machine_info(engine.device, engine.dtype),
+        "machine": machine_info(engine.runner.device, engine.runner.dtype),
         "wall_seconds": time.perf_counter() - started,
         "compile": compile_info(engines),
         "t0_check": check,

@@ -20,8 +20,8 @@ from dataclasses import replace
 from tqdm import tqdm
 
 from ddtree.bench.runner import BenchConfig, Spec, pick_engine, seed_for
-from ddtree.params import AUTO, SamplingParams
-from ddtree.stats import mean_acceptance_length
+from ddtree.request.params import AUTO, SamplingParams
+from ddtree.request.stats import mean_acceptance_length
 
 
 def run_level(

@@ -20,7 +20,7 @@ import time
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from ddtree.params import SamplingParams
+from ddtree.request.params import SamplingParams
 
 
 class _Clock(BaseStreamer):

@@ -21,7 +21,7 @@ import statistics
 from collections import Counter, defaultdict
 
 from ddtree.bench.runner import COMPILED_SUFFIX
-from ddtree.stats import mean_acceptance_length
+from ddtree.request.stats import mean_acceptance_length
 
 FORWARD_STAGES = ("draft", "verify")  # the stages that hold the drafter and target forwards
 REFERENCE = "ar"  # the label every speedup divides by, and the T = 0 reference output

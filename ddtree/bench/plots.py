@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen befor
 
 from ddtree.bench.report import best_ddtree  # noqa: E402
 from ddtree.bench.runner import COMPILED_SUFFIX  # noqa: E402
-from ddtree.params import AUTO  # noqa: E402
+from ddtree.request.params import AUTO  # noqa: E402
 
 _REFERENCE_STYLE = {
     "ar": ("black", ":"),

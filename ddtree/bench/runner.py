@@ -20,7 +20,7 @@ from ddtree.bench.hf import hf_generate
 from ddtree.bench.machine import peak_memory_bytes, reset_peak_memory
 from ddtree.bench.prompts import Prompt
 from ddtree.errors import DDTreeError
-from ddtree.params import METHODS, SamplingParams, check_speculative_options
+from ddtree.request.params import METHODS, SamplingParams, check_speculative_options
 
 ENGINE_METHODS = METHODS
 HF_METHODS = ("hf", "hf-pld")
@@ -133,7 +133,7 @@ def run_one(engines, spec: Spec, prompt_ids: list[int], params: SamplingParams, 
     engine = pick_engine(engines, spec)
     engine.reset_prefix_cache()  # every configuration prefills the prompt cold, whatever ran it before
     gc.collect()
-    reset_peak_memory(engine.device)
+    reset_peak_memory(engine.runner.device)
     gc.disable()
     try:
         if spec.method in HF_METHODS:
@@ -143,7 +143,7 @@ def run_one(engines, spec: Spec, prompt_ids: list[int], params: SamplingParams, 
             record = _engine_generate(engine, spec, prompt_ids, params, cfg.topk)
     finally:
         gc.enable()
-    record["peak_memory_bytes"] = peak_memory_bytes(engine.device)
+    record["peak_memory_bytes"] = peak_memory_bytes(engine.runner.device)
     return record
 
 

@@ -46,17 +46,18 @@ def count_steps(engine, steps: int) -> tuple[float, float, OpCounter]:
     """Run ``steps`` engine steps under an ``OpCounter``: eager ops per step, calls of the forwards and
     graphs per step, and the counter. The round's graphs count apart only when compiled (uncompiled they
     are the eager ops being measured)."""
-    runner = engine.runner
-    names = FORWARDS + (ROUND_GRAPHS if runner.round_compiled else ())
-    saved = {name: getattr(runner, name) for name in names}
+    runner, shapes = engine.runner, engine.runner.shapes
+    owners = [(runner, name) for name in FORWARDS]
+    owners += [(shapes, name) for name in ROUND_GRAPHS] if shapes.round_compiled else []
+    saved = {(owner, name): getattr(owner, name) for owner, name in owners}
     counter = OpCounter()
-    for name, fn in saved.items():
-        setattr(runner, name, counter.apart(name, fn))
+    for (owner, name), fn in saved.items():
+        setattr(owner, name, counter.apart(name, fn))
     try:
         with counter:
             for _ in range(steps):
                 engine.step()
     finally:
-        for name, fn in saved.items():
-            setattr(runner, name, fn)
+        for (owner, name), fn in saved.items():
+            setattr(owner, name, fn)
     return sum(counter.ops.values()) / steps, sum(counter.calls.values()) / steps, counter

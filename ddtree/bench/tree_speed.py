@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from ddtree.tree import TreeSpec, build_tree_batch, draft_candidates
+from ddtree.speculative.tree import TreeSpec, build_tree_batch, draft_candidates
 
 SCALES = (1.0, 3.0, 6.0)
 

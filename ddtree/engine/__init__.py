@@ -5,7 +5,7 @@ and ``auto_budget`` (the ``budget="auto"`` policy)."""
 
 from ddtree.engine.engine import Engine, check_engine_options
 from ddtree.engine.request import STAGES, GenerationResult, GenerationStats, Request, StreamDelta
-from ddtree.params import METHODS
+from ddtree.request.params import METHODS
 
 __all__ = [
     "METHODS",

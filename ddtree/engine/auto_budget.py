@@ -1,5 +1,6 @@
 """The ``budget="auto"`` policy: how many drafted nodes each auto row verifies this round, and when drafting
-does not pay at all. The math (cost model, calibration, the greedy choice) is ``ddtree.budget``'s; this is
+does not pay at all. The math (cost model, calibration, the greedy choice) is
+``ddtree.speculative.budget``'s; this is
 where the engine feeds it what it measured and acts on its answer.
 
 When the chosen trees stop paying against rounds without the drafter (a moving average over drafting rounds),
@@ -20,12 +21,18 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from ddtree.budget import AcceptanceCalibration, CostModel, choose_counts, conditional_probs, tree_acceptance
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import AutoStatus, Request
 from ddtree.engine.scheduler import Scheduler
 from ddtree.engine.verifier import Verdicts
-from ddtree.tree import TreeBatch
+from ddtree.speculative.budget import (
+    AcceptanceCalibration,
+    CostModel,
+    choose_counts,
+    conditional_probs,
+    tree_acceptance,
+)
+from ddtree.speculative.tree import TreeBatch
 
 logger = logging.getLogger("ddtree")
 
@@ -60,6 +67,7 @@ class AutoBudget:
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, cost_model: CostModel | None) -> None:
         self.runner = runner
+        self.shapes = runner.shapes
         self.scheduler = scheduler  # read only: its auto_skip, plain rounds left for auto rows
         self.cost = cost_model or CostModel()  # measured at the first auto round, then kept current
         self.calibration = AcceptanceCalibration()
@@ -79,10 +87,10 @@ class AutoBudget:
 
     def choose(self, rows: list[Request], trees: TreeBatch, draft_rows: int) -> tuple[TreeBatch, AutoRound]:
         """Cut every "auto" row's candidate tree to the prefix of its pop order that maximises the batch's
-        expected tokens per second (ddtree.budget), and start a stretch of plain rounds for the auto rows
-        when even the best pick loses to a round without the drafter. Returns the cut trees and what the
-        choice read from the device (the round's extra device->host copies, for auto rows only) and decided
-        (the auto rows' widths, a stretch of plain rounds), for the scheduler to apply."""
+        expected tokens per second (ddtree.speculative.budget), and start a stretch of plain rounds for the
+        auto rows when even the best pick loses to a round without the drafter. Returns the cut trees and what
+        the choice read from the device (the round's extra device->host copies, for auto rows only) and
+        decided (the auto rows' widths, a stretch of plain rounds), for the scheduler to apply."""
         if not (self._costs_measured or self.cost.frozen):
             self._measure_costs()
         logw = trees.logw.cpu().numpy()  # [B, N]
@@ -135,7 +143,7 @@ class AutoBudget:
         for i, k, w in zip(auto, counts, widths, strict=True):
             sizes[i] = k + 1
             seen.widths[i] = w
-        return trees.cut(sizes, self.runner.node_bucket(int(sizes.max(initial=1)))), seen
+        return trees.cut(sizes, self.shapes.node_bucket(int(sizes.max(initial=1)))), seen
 
     def _why_plain(self, gains: list[np.ndarray]) -> tuple[str, str]:
         """The kind and the words of why auto rows run plain rounds now."""

@@ -2,12 +2,12 @@
 counts, a content index and exact accounting, no tensors (nano-vllm's ``BlockManager``; vLLM's automatic
 prefix caching).
 
-Block 0 is the scratch block (``ddtree.kv_cache``) and is never handed out. Every other block is in exactly
-one state: **free** (holds nothing anyone will read), **owned** (``refs > 0``: in the tables of that many
-requests) or **cached** (no owner, but its content key is indexed, so a request with the same prefix can take
-it back instead of recomputing it). Free blocks are taken smallest id first, so a pool sized for the whole
-memory budget stays compact: on a CPU, pages of blocks no request ever used cost no resident memory. Cached
-blocks are evicted least recently released first, and only when no free block is left.
+Block 0 is the scratch block (``ddtree.model.kv_cache``) and is never handed out. Every other block is in
+exactly one state: **free** (holds nothing anyone will read), **owned** (``refs > 0``: in the tables of that
+many requests) or **cached** (no owner, but its content key is indexed, so a request with the same prefix can
+take it back instead of recomputing it). Free blocks are taken smallest id first, so a pool sized for the
+whole memory budget stays compact: on a CPU, pages of blocks no request ever used cost no resident memory.
+Cached blocks are evicted least recently released first, and only when no free block is left.
 
 A full block's key is a SHA-256 chained over its tokens and its parent's key, rooted in the request's
 ``cache_salt``: equal keys mean an equal prefix (and tenant), so a hit is the same keys/values. A key is
@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -72,6 +73,11 @@ class BlockManager:
         return len(self._free) + len(self._cached)
 
     @property
+    def num_indexed(self) -> int:
+        """Blocks the prefix cache can hand to a later request (owned or not)."""
+        return len(self._key_of)
+
+    @property
     def num_used(self) -> int:
         return self.num_blocks - 1 - self.num_free
 
@@ -81,9 +87,6 @@ class BlockManager:
     def missing(self, r: Request, tokens: int) -> int:
         """Blocks request r must still take to hold ``tokens`` columns."""
         return max(self.blocks_for(tokens) - len(r.blocks), 0)
-
-    def can_grow(self, r: Request, tokens: int, reserve: int = 0) -> bool:
-        return self.missing(r, tokens) + reserve <= self.num_free
 
     def grow(self, r: Request, tokens: int) -> bool:
         """Give r the blocks it needs for ``tokens`` columns; False (nothing taken) if they are not free."""
@@ -198,3 +201,21 @@ class BlockManager:
         if self._block_of.get(key) == block:
             del self._block_of[key]
         self._drafted.discard(block)
+
+    def check_invariants(self, tables: Iterable[list[int]]) -> None:
+        """Raise AssertionError unless the accounting holds for the running requests' block ``tables``:
+        every allocatable block is free, cached or owned, exactly once; a block's reference count is the
+        number of tables holding it; cached blocks are indexed and free ones are not; the index is one to
+        one. For tests and debugging: it walks every block."""
+        counts = [0] * self.num_blocks
+        for table in tables:
+            for block in table:
+                counts[block] += 1
+        assert counts == self._refs, "reference counts differ from the tables"
+        free, cached, indexed = set(self._free), set(self._cached), set(self._key_of)
+        owned = {b for b in range(1, self.num_blocks) if counts[b]}
+        assert len(free) == len(self._free), "a block is free twice"
+        assert not free & cached and not (free | cached) & owned, "a block is in two states"
+        assert free | cached | owned == set(range(1, self.num_blocks)), "a block is lost"
+        assert cached <= indexed and not free & indexed, "the index disagrees with the states"
+        assert all(self._key_of[b] == k for k, b in self._block_of.items()), "the index is not one to one"

@@ -1,76 +1,62 @@
-"""The engine: a continuously batched loop of rounds, draft -> tree -> verify -> accept -> commit.
+"""The engine's request API: a continuously batched loop of rounds, draft -> tree -> verify -> accept.
 
-Every running request is a row with its own KV blocks. A step either prefills (chunks of waiting or
-half-prefilled prompts, one batched forward) or runs ONE round for every decoding row (one drafter forward
-over the rows that draft, one target forward over all rows' trees). Each row keeps its own method,
-budget, sampling parameters, random generator and KV length, so a request's output is the same alone or
-in any batch. Three methods share the round and differ only in the tree they verify:
-  ``ddtree`` the best-first tree of the ``budget`` most probable draft prefixes,
-  ``dflash`` the drafter's argmax chain (linear speculative decoding),
-  ``ar``     the root alone (plain autoregressive decoding; no drafter pass).
-Greedy rows accept by walking the target's argmax; sampled rows by tree rejection sampling. Both produce the
-same verdict and go through one commit path.
+Every running request is a row with its own KV blocks, method, budget, sampling parameters, random
+generator and KV length, so a request's output is the same alone or in any batch. Three methods share
+the round and differ only in the tree they verify: ``ddtree`` the best-first tree of the ``budget`` most
+probable draft prefixes, ``dflash`` the drafter's argmax chain, ``ar`` the root alone (no drafter pass).
 
 Who owns what (``docs/design.md``): ``Scheduler`` who runs, chunked prefill and preemption, with the
 ``BlockManager``'s KV blocks; ``ModelRunner`` the weights, paged caches, fixed shapes and forwards;
-``Proposer`` the drafter pass and each row's tree; ``Verifier`` the verify batch, heads, acceptance and
-commit; ``AutoBudget`` the ``budget="auto"`` choice. This facade holds the request API (vLLM's
-``LLMEngine``: ``add_request`` / ``step`` / ``abort``; ``generate`` and ``stream`` drive that loop for
-callers that want results) and reads a step top to bottom.
+``Proposer`` the drafter pass and each row's tree; ``Verifier`` the verify batch, acceptance and commit;
+``AutoBudget`` the ``budget="auto"`` choice; ``EngineCore`` a step top to bottom; ``Streams`` where its
+deltas go. This facade builds them and holds the request API (vLLM's ``LLMEngine``: ``add_request`` /
+``step`` / ``abort``; ``generate`` and ``stream`` drive that loop for callers that want results).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import random
-import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from ddtree import startup
-from ddtree.budget import CostModel
 from ddtree.config import EngineConfig
-from ddtree.drafter import DFlashDrafter
 from ddtree.engine.auto_budget import AutoBudget
 from ddtree.engine.block_manager import BlockManager
-from ddtree.engine.clock import StageClock
-from ddtree.engine.launch import check_world, start_tensor_parallel
+from ddtree.engine.core import EngineCore
+from ddtree.engine.launch import load_models
 from ddtree.engine.memory import CacheConfig
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.proposer import Proposer
-from ddtree.engine.request import GenerationResult, GenerationStats, Request, StepOutput, StreamDelta
-from ddtree.engine.scheduler import Chunk, Scheduler, delta_of
-from ddtree.engine.step_channel import StepChannel, TensorParallelError, close_channel
-from ddtree.engine.verifier import SAMPLE_ENTRIES, Verifier, VerifyBatch
+from ddtree.engine.request import GenerationResult, GenerationStats, Request, StreamDelta
+from ddtree.engine.scheduler import Scheduler, delta_of
+from ddtree.engine.step_channel import StepChannel, close_channel
+from ddtree.engine.streams import Streams
+from ddtree.engine.verifier import Verifier
 from ddtree.errors import DDTreeError
-from ddtree.logprobs import TokenLogprobs, token_logprobs
-from ddtree.models import (
+from ddtree.model.loader import (
     DEFAULT_DRAFTER,
     DEFAULT_TARGET,
     check_device,
     check_pair,
     check_target_attention,
     eos_token_ids,
-    load_drafter,
-    load_target,
     media_token_ids,
 )
-from ddtree.output import OutputState
-from ddtree.params import AUTO, SamplingParams, StructuredOutputs, check_speculative_options
-from ddtree.penalties import RequestPenalties
-from ddtree.tree import PaddedTrees, TreeShape, beam_plan, draft_candidates
-from ddtree.verify import Accepted
+from ddtree.request.output import OutputState
+from ddtree.request.params import AUTO, SamplingParams, StructuredOutputs, check_speculative_options
+from ddtree.request.penalties import RequestPenalties
+from ddtree.speculative.budget import CostModel
+from ddtree.speculative.drafter import DFlashDrafter
 
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from ddtree.grammar import GrammarCompiler, GrammarState
+    from ddtree.request.grammar import GrammarCompiler
 
 
 def check_engine_options(
@@ -80,11 +66,6 @@ def check_engine_options(
     if method != "ar" and not has_drafter:
         raise DDTreeError(f"method {method!r} needs a drafter; pass one or use method 'ar'")
     return method, budget, topk
-
-
-def moving(average: float | None, value: float, weight: float = 0.2) -> float:
-    """An exponential moving average's next value (the first value starts it)."""
-    return value if average is None else (1 - weight) * average + weight * value
 
 
 class Engine:
@@ -153,27 +134,19 @@ class Engine:
         self.verifier = Verifier(self.runner, config.accept_threshold_single, config.accept_threshold_acc)
         self.auto = AutoBudget(self.runner, self.scheduler, cost_model)
         self.runner.setup_shapes(config, deepest)
-        if config.budget != AUTO and config.method == "ddtree":
-            self._check_captured_budget(config.budget)
-        self.warmup_seconds = 0.0
-        if config.compile:
-            self.warm_up()
-        # Measured, to cut prefill chunks while requests decode (``_pace_prefill``).
-        self._token_seconds: float | None = None  # moving average of a prefill step's seconds per token
-        self._round_seconds: float | None = None  # moving average of a round's seconds
-        self._followed: dict[str, deque[StreamDelta]] = {}  # request id -> deltas its stream has not read
-        self._unclaimed: list[StreamDelta] = []  # deltas the next `step` returns
-
-    # -- the options, as attributes callers already use (``config`` holds them all) -----------------------
-
-    method = property(lambda self: self.config.method)
-    budget = property(lambda self: self.config.budget)
-    topk = property(lambda self: self.config.topk)
-    accept_threshold_single = property(lambda self: self.config.accept_threshold_single)
-    accept_threshold_acc = property(lambda self: self.config.accept_threshold_acc)
-    auto_max_budget = property(lambda self: self.config.auto_max_budget)
-    max_num_seqs = property(lambda self: self.config.max_num_seqs)
-    prefill_gap_rounds = property(lambda self: self.config.prefill_gap_rounds)
+        if config.method == "ddtree":
+            self.runner.shapes.check_captured_budget(config.budget)
+        self.core = EngineCore(
+            self.runner,
+            self.scheduler,
+            self.proposer,
+            self.verifier,
+            self.auto,
+            config.prefill_gap_rounds,
+            config.profile,
+        )
+        self.warmup_seconds = self.core.warm_up() if config.compile else 0.0
+        self.streams = Streams(self.core.step, self.abort)
 
     @property
     def profile(self) -> bool:
@@ -183,6 +156,7 @@ class Engine:
     def profile(self, on: bool) -> None:
         """Time every stage from the next step on (each stage then waits for the device)."""
         self.config = replace(self.config, profile=on)
+        self.core.profile = on
 
     @classmethod
     def from_pretrained(
@@ -213,30 +187,10 @@ class Engine:
             target_dir, drafter_dir = DEFAULT_TARGET, DEFAULT_DRAFTER
         config = EngineConfig.build(config, **options)
         check_engine_options(config.method, config.budget, config.topk, drafter_dir is not None)
-        device = check_device(device)
-        tp, max_model_len = config.tensor_parallel_size, config.max_model_len
-        check_world(tp, device)
-        channel = None
-        with startup.phase("weights"):
-            if tp > 1:
-                target, tokenizer, channel = start_tensor_parallel(
-                    target_dir, dtype, device, max_model_len, tp, trust_remote_code
-                )
-                device = channel.device
-            else:
-                target, tokenizer = load_target(
-                    target_dir,
-                    device=device,
-                    dtype=dtype,
-                    max_model_len=max_model_len,
-                    trust_remote_code=trust_remote_code,
-                )
+        target, drafter, tokenizer, channel = load_models(
+            target_dir, drafter_dir, config, check_device(device), dtype, trust_remote_code
+        )
         try:
-            drafter = None
-            if drafter_dir is not None:
-                dtype = next(target.parameters()).dtype  # "auto" resolved
-                with startup.phase("weights"):
-                    drafter = load_drafter(drafter_dir, max_model_len).to(device=device, dtype=dtype)
             engine = cls(target, drafter, tokenizer, config, channel=channel)
         except BaseException:
             if channel is not None:
@@ -270,29 +224,6 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- what the parts own, as attributes callers already use ---------------------------------------------
-
-    device = property(lambda self: self.runner.device)
-    dtype = property(lambda self: self.runner.dtype)
-    kv_cache_bytes_per_token = property(lambda self: self.runner.kv_cache_bytes_per_token)
-    drafter = property(lambda self: self.runner.drafter)
-    embed = property(lambda self: self.runner.embed)
-    lm_head = property(lambda self: self.runner.lm_head)
-    draft_head = property(lambda self: self.runner.draft_head)
-    forward = property(lambda self: self.runner.forward)
-    cache = property(lambda self: self.runner.cache)
-    draft_cache = property(lambda self: self.runner.draft_cache)
-    max_batch_size = property(lambda self: self.max_num_seqs)  # the older name
-    fixed_shapes = property(lambda self: self.runner.fixed_shapes)
-    compiled = property(lambda self: self.runner.compiled)
-    max_drafted = property(lambda self: self.runner.max_drafted)
-    batch_buckets = property(lambda self: self.runner.batch_buckets)
-    node_buckets = property(lambda self: self.runner.node_buckets)
-    span_buckets = property(lambda self: self.runner.span_buckets)
-    attention = property(lambda self: self.runner.attention)
-    cost = property(lambda self: self.auto.cost)
-    calibration = property(lambda self: self.auto.calibration)
-
     def kv_cache_summary(self) -> dict:
         """The KV pool in the numbers a deployment sizes by (the server's start-up log, ``--stats``):
         tokens it holds, the target's bytes per token (all layers; MLA's latent or GQA's keys and values),
@@ -301,64 +232,11 @@ class Engine:
         runner = self.runner
         return {
             "kv_cache_tokens": (self.blocks.num_blocks - 1) * self.blocks.block_size,
-            "kv_cache_bytes_per_token": self.kv_cache_bytes_per_token,
+            "kv_cache_bytes_per_token": self.runner.kv_cache_bytes_per_token,
             "kv_cache_layout": "MLA latent" if runner.cache.layout.is_latent else "GQA keys and values",
             "max_concurrency": (self.blocks.num_blocks - 1) / runner.width,
             "prefix_caching": self.blocks.prefix_caching,
         }
-
-    def _check_captured_budget(self, budget: int | str) -> None:
-        if budget != AUTO:
-            self.runner.check_captured_budget(budget)
-
-    def warm_up(self) -> float:
-        """Run (and so compile and, on CUDA, capture) every fixed shape once with dummy rows, which write
-        only the scratch column; returns the seconds it took (also in ``warmup_seconds``)."""
-        runner = self.runner
-        t = time.perf_counter()
-        replays = 3 if self.device.type == "cuda" else 1  # CUDA graph trees record on the second call
-        with torch.inference_mode(), startup.phase("compile"):
-            for b, span in itertools.product(runner.batch_buckets, runner.span_buckets):
-                for n in runner.node_buckets:
-                    batch = self.verifier.inputs([], None, shape=(b, n, span))
-                    for _ in range(replays):
-                        hidden, _ = runner.verify(*batch.forward_args(True))
-                    if span == runner.span_buckets[0] and runner.round_compiled and self.drafter is not None:
-                        self._warm_round_graphs(hidden, batch)
-                if self.drafter is not None:
-                    bs, tables = self.drafter.block_size, runner.block_tables([], b)
-                    for _ in range(replays):
-                        self.proposer.draft_pass([None] * b, bs, tables, True, span)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.warmup_seconds += time.perf_counter() - t
-        return self.warmup_seconds
-
-    def _warm_round_graphs(self, hidden: torch.Tensor, batch: VerifyBatch) -> None:
-        """Run the round's graphs of one bucket (``hidden`` [Bp, Np, H]: its verify forward's output, from
-        ``batch``) on dummy trees with the inputs' dtypes and strides of a real round, so no round
-        compiles. The dummy rows' KV pack moves within the scratch block."""
-        runner, device = self.runner, self.device
-        b, n = hidden.shape[:2]
-        vocab = runner.lm_head.weight.shape[0]
-        sizes = torch.zeros(b, dtype=torch.int64, device=device)
-        if n > 1:
-            shape = TreeShape.bucket(n, self.drafter.block_size - 1, vocab)
-            logits = torch.zeros(b, shape.depths, vocab, device=device)  # the positions a bucket's trees read
-            vals, ids = draft_candidates(logits, shape.k)
-            allowed = torch.zeros(b, shape.depths, dtype=torch.int64, device=device)
-            roots = torch.zeros_like(sizes)  # a distinct tensor: a graph is compiled for its inputs' aliasing
-            trees = runner.tree_graph(vals, ids, roots, allowed, sizes, beam_plan(shape, device))[:3]
-        else:  # a tree cut to its root (budget "auto" choosing plain rounds)
-            trees = [torch.zeros(b, 1, dtype=torch.int64, device=device) for _ in range(3)]
-        padded = PaddedTrees(*trees, sizes)
-        runner.inputs_graph(padded, sizes + 1, runner.cache.scratch, runner.tree_depth(n))
-        verdicts = Accepted(*self.verifier.greedy_padded(padded, hidden, vocab))
-        self.verifier.pack(verdicts.head(b), batch)
-        if b * n * vocab <= SAMPLE_ENTRIES:
-            probs = self.verifier.padded_probs([SamplingParams(temperature=1.0)] * b, hidden)  # [Bp, Np, V]
-            coins = torch.zeros(b, n, device=device)
-            self.verifier.sample_padded(padded, probs, coins, coins[:, 0].contiguous(), vocab)
 
     # -- request-level API -------------------------------------------------------------------------------
 
@@ -398,26 +276,27 @@ class Engine:
         never share prefix-cache blocks."""
         params = params or SamplingParams()
         method, budget, topk = check_engine_options(
-            method or self.method,
-            self.budget if budget is None else budget,
-            self.topk if topk is None else topk,
-            self.drafter is not None,
+            method or self.config.method,
+            self.config.budget if budget is None else budget,
+            self.config.topk if topk is None else topk,
+            self.runner.drafter is not None,
         )
         if method == "ddtree":
-            self._check_captured_budget(budget)
+            self.runner.shapes.check_captured_budget(budget)
         prompt_ids = self.encode(prompt)
         if len(prompt_ids) + params.max_new_tokens > self.max_model_len:
             raise DDTreeError(
                 f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
                 f"exceeds the context of {self.max_model_len} tokens (max_model_len)"
             )
-        grammar = None if params.structured_outputs is None else self._grammar(params.structured_outputs)
+        spec = params.structured_outputs  # compiled (and cached) now: a bad one fails here, alone
+        grammar = None if spec is None else self._grammar_compiler().state(spec)
         penalties = RequestPenalties.of(
             params, prompt_ids, self.eos_token_ids, self.tokenizer, self.vocab_size
         )
         request_id = self.scheduler.new_id(request_id)
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(1 << 62)
-        self.scheduler.waiting.append(
+        self.scheduler.add(
             Request(
                 request_id=request_id,
                 prompt_ids=prompt_ids,
@@ -430,9 +309,9 @@ class Engine:
                     method=method,
                     budget=budget if method == "ddtree" else 0,
                     prompt_tokens=len(prompt_ids),
-                    accept_thresholds=(self.accept_threshold_single, self.accept_threshold_acc),
+                    accept_thresholds=(self.config.accept_threshold_single, self.config.accept_threshold_acc),
                 ),
-                generator=torch.Generator(device=self.device).manual_seed(seed),
+                generator=torch.Generator(device=self.runner.device).manual_seed(seed),
                 auto_width=self.auto.start_width,
                 cache_salt=cache_salt,
                 grammar=grammar,
@@ -451,16 +330,11 @@ class Engine:
         thread, so a slow or bad constraint never holds a step. Raises DDTreeError on a bad one."""
         self._grammar_compiler().compile(spec)
 
-    def _grammar(self, spec: StructuredOutputs) -> GrammarState:
-        """A new request's place at the start of its grammar, compiled (and cached) now, so that a bad
-        constraint fails ``add_request`` and nothing else."""
-        return self._grammar_compiler().state(spec)
-
     def _grammar_compiler(self) -> GrammarCompiler:
         if self.tokenizer is None:
             raise DDTreeError("structured outputs need the target's tokenizer; this target has none")
         if self._grammars is None:
-            from ddtree.grammar import GrammarCompiler  # xgrammar: only for engines that need it
+            from ddtree.request.grammar import GrammarCompiler  # xgrammar: only for engines that need it
 
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         return self._grammars
@@ -478,7 +352,7 @@ class Engine:
         request = self.scheduler.abort(request_id)
         if request is None:
             return False
-        self._route([delta_of(request, len(request.output.token_ids))])
+        self.streams.route([delta_of(request, len(request.output.token_ids))])
         return True
 
     def step(self) -> list[StreamDelta]:
@@ -488,9 +362,7 @@ class Engine:
         Returns one delta per request that changed (requests followed by ``stream`` / ``generate`` get
         theirs there instead); the last delta of a request carries its finish_reason.
         """
-        self._advance()
-        out, self._unclaimed = self._unclaimed, []
-        return out
+        return self.streams.step()
 
     def generate(
         self,
@@ -521,7 +393,7 @@ class Engine:
                 self.abort(request_id)
             raise
         results = []
-        for stream in [self._follow(request_id) for request_id in ids]:  # every row decodes meanwhile
+        for stream in [self.streams.follow(request_id) for request_id in ids]:  # every row decodes meanwhile
             result = GenerationResult([], "", "", None, [], ids[len(results)])
             for delta in stream:
                 result.token_ids += delta.token_ids
@@ -546,7 +418,7 @@ class Engine:
         request advances too (a stream's deltas wait in its own queue until it is read); closing the
         iterator early aborts the request.
         """
-        return self._follow(self.add_request(prompt, params, method=method, budget=budget, topk=topk))
+        return self.streams.follow(self.add_request(prompt, params, method=method, budget=budget, topk=topk))
 
     def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt; text gets the tokenizer's special tokens (a BOS for Llama) as HF and
@@ -560,7 +432,7 @@ class Engine:
             ids = [int(t) for t in prompt]
         if not ids:
             raise DDTreeError("prompt is empty")
-        vocab = self.embed.num_embeddings
+        vocab = self.runner.embed.num_embeddings
         if any(t < 0 or t >= vocab for t in ids):
             raise DDTreeError(f"prompt token ids must be in [0, {vocab})")
         media = media_token_ids(self.target).intersection(ids)
@@ -570,200 +442,3 @@ class Engine:
                 "model's text backbone only; send text"
             )
         return ids
-
-    def _follow(self, request_id: str) -> Iterator[StreamDelta]:
-        """The deltas of one request, stepping the engine whenever none is waiting (eagerly registered, so
-        nothing is lost between this call and the first ``next``)."""
-        queue = self._followed[request_id] = deque()
-        return self._drain(request_id, queue)
-
-    def _drain(self, request_id: str, queue: deque[StreamDelta]) -> Iterator[StreamDelta]:
-        done = False
-        try:
-            while not done:
-                while not queue:
-                    self._advance()  # an abort from elsewhere queues the request's last delta
-                delta = queue.popleft()
-                done = delta.finish_reason is not None
-                yield delta
-        finally:
-            if not done:
-                self.abort(request_id)  # its "abort" delta goes to this queue, read by nobody
-            del self._followed[request_id]
-
-    def _advance(self) -> None:
-        with torch.inference_mode():
-            chunks = self.scheduler.schedule_prefill()
-            if chunks:
-                deltas = self._isolated(chunks, [c.request for c in chunks], self._prefill)
-            elif self.scheduler.decoding:
-                rows = self.scheduler.schedule_round(self.proposer.columns)  # blocks taken; may preempt
-                drafting = self.scheduler.drafting_this_round(rows)
-
-                def round_of(part: list[Request]) -> list[StreamDelta]:
-                    return self._round(part, [r for r in drafting if r in part])
-
-                deltas = self._isolated(rows, rows, round_of)
-            else:
-                deltas = []
-        self._route(deltas)
-
-    def _isolated(self, parts: list, requests: list[Request], run: Callable[[list], list[StreamDelta]]):
-        """``run(parts)``, a step over ``requests`` (``parts[i]`` is ``requests[i]``'s share: a chunk or the
-        row). When it raises, the failure is traced to the requests it came from: each share runs again
-        alone (the step changed no request before failing; its sampled rows' generators are rewound first,
-        so a seeded row draws the coins it would have drawn) and a request whose share fails alone ends
-        with finish_reason "error"; the others' shares make this step. Only a failure every share repeats
-        alone (the device, not a request) escapes, as does a tensor-parallel rank's."""
-        coins = [(r.generator, r.generator.get_state()) for r in requests if r.params.temperature > 0]
-        try:
-            return run(parts)
-        except TensorParallelError:
-            raise
-        except Exception as exc:
-            first = exc
-        deltas: list[StreamDelta] = []
-        failed: list[tuple[Request, Exception]] = [(requests[0], first)]
-        if len(parts) > 1:
-            log.warning("a step of %d requests failed (%s); running each alone", len(parts), first)
-            for generator, state in coins:
-                generator.set_state(state)
-            failed = []
-            for part, request in zip(parts, requests, strict=True):
-                try:
-                    deltas += run([part])
-                except TensorParallelError:
-                    raise
-                except Exception as exc:
-                    failed.append((request, exc))
-            if len(failed) == len(parts):
-                raise first
-        for request, exc in failed:
-            log.error("request %s failed in a step and ends alone: %s", request.request_id, exc)
-            deltas.append(self.scheduler.fail(request, exc))
-        return deltas
-
-    def _route(self, deltas: list[StreamDelta]) -> None:
-        """Each delta to its request's stream, or to the next ``step``'s return value."""
-        for delta in deltas:
-            queue = self._followed.get(delta.request_id)
-            (self._unclaimed if queue is None else queue).append(delta)
-
-    # -- a step ------------------------------------------------------------------------------------------
-
-    def _prefill(self, chunks: list[Chunk]) -> list[StreamDelta]:
-        """Prompt chunks in one forward (and, drafting, their features into the drafter's cache). A request
-        whose prefill ends gets its first token; a preempted one resumes with its last emitted token."""
-        t0 = time.perf_counter()  # the last step ended with a sync: the device is not behind
-        batch = [c.request for c in chunks]
-        logits, features = self.runner.prefill(
-            [
-                (r.prefill_ids[r.computed : r.computed + c.tokens], r.computed)
-                for r, c in zip(batch, chunks, strict=True)
-            ],
-            self.runner.block_tables(batch),
-            features=any(r.drafts for r in batch),
-        )  # [B, V], [B, P, F * H]
-        drafting = [i for i, r in enumerate(batch) if r.drafts]
-        self.proposer.ingest(
-            [batch[i] for i in drafting], [features[i, : chunks[i].tokens] for i in drafting]
-        )
-        first = [i for i, c in enumerate(chunks) if c.last and not c.request.output.token_ids]
-        tokens: list[list[int]] = [[] for _ in batch]
-        logprobs: list[list[TokenLogprobs] | None] = [None] * len(batch)
-        for i, t in zip(
-            first, self.verifier.first_tokens(logits[first], [batch[i] for i in first]), strict=True
-        ):
-            tokens[i] = [t]
-            if batch[i].params.logprobs is not None:
-                logprobs[i] = token_logprobs(logits[i : i + 1], [t], batch[i].params.logprobs)
-        seconds = self._now() - t0
-        self._token_seconds = moving(
-            self._token_seconds, seconds / (len(chunks) * max(c.tokens for c in chunks))
-        )
-        self._pace_prefill()
-        return self.scheduler.update_from_output(
-            StepOutput(
-                rows=batch,
-                tokens=tokens,
-                logprobs=logprobs,
-                consumed=[c.tokens if c.request.drafts else 0 for c in chunks],
-                features=[None] * len(batch),
-                prefilled=[c.tokens for c in chunks],
-                seconds=seconds,
-            )
-        )
-
-    def _round(self, rows: list[Request], drafting: list[Request]) -> list[StreamDelta]:
-        """Draft, build every row's tree, verify all trees in one target forward, accept, commit.
-
-        From the draft to the verdicts the round runs on the device; the host waits twice: for the trees'
-        depth (``Verifier.accept``, while the verify forward runs) and for the verdicts
-        (``Verifier.verdicts``). Rows with budget "auto" add one copy (their trees' draft log-probs) and
-        time the stages, as profiling does (``StageClock``: CUDA events read after the round's last sync,
-        so timing adds no wait). The scheduler then applies the round to its rows.
-        """
-        clock = StageClock(self.device, self.profile or any(r.auto for r in rows))
-        t_round = time.perf_counter()  # the last step ended with a sync: the device is not behind
-        with clock.stage("draft"):
-            drafted, consumed = (
-                self.proposer.draft(drafting) if drafting else (None, [])
-            )  # [D, block_size - 1, H]
-        with clock.stage("tree"):
-            trees = self.proposer.trees(rows, drafting, drafted)  # the draft head, then the trees
-            seen = None
-            if any(r.auto for r in drafting):
-                trees, seen = self.auto.choose(rows, trees, len(drafting))
-        with clock.stage("inputs"):
-            batch = self.verifier.inputs(rows, trees)
-        with clock.stage("verify"):
-            # Features whenever a row drafts, and always with fixed shapes (one graph per shape).
-            want = self.runner.fixed_shapes or any(r.drafts for r in rows)
-            padded, features = self.runner.verify(*batch.forward_args(want))  # [Bp, Np, H]
-            hidden = padded[: batch.rows, : batch.nodes]  # [B, N, H] (padded with fixed shapes)
-            features = None if features is None else features[: batch.rows, : batch.nodes]  # [B, N, F * H]
-        with clock.stage("accept"):
-            accepted = self.verifier.accept(rows, trees, hidden, padded)  # the LM head closes the forward
-        with clock.stage("commit"):
-            verdicts = self.verifier.verdicts(rows, accepted, hidden, features, batch)
-            status = self.auto.learn(rows, trees.sizes, seen, verdicts)
-            eaten = {id(r): k for r, k in zip(drafting, consumed, strict=True)}
-            deltas = self.scheduler.update_from_output(
-                StepOutput(
-                    rows=rows,
-                    tokens=verdicts.tokens,
-                    logprobs=verdicts.logprobs,
-                    consumed=[eaten.get(id(r), 0) for r in rows],
-                    features=verdicts.features,
-                    drafted_nodes=[int(m) - 1 for m in trees.sizes],
-                    auto_widths={} if seen is None else seen.widths,
-                    auto_skip=None if seen is None else seen.skip,
-                    auto_status=status,
-                )
-            )
-        elapsed = time.perf_counter() - t_round
-        self._round_seconds = moving(self._round_seconds, elapsed)
-        self._pace_prefill()
-        seconds = clock.seconds()
-        if clock.enabled:
-            self.auto.observe(batch.ids.numel(), seconds["verify"], len(drafting), seconds["draft"], elapsed)
-        self.scheduler.record_round_time(rows, seconds, elapsed)
-        return deltas
-
-    def _pace_prefill(self) -> None:
-        """While requests decode, a prefill step's tokens are what ``prefill_gap_rounds`` rounds' time
-        prefills (both measured), so a long prompt arriving delays the running streams by a few rounds per
-        step however fast or slow the machine; at least one KV block a step. ``max_num_batched_tokens``
-        still caps it. (A step's fixed cost makes small chunks dearer per token: the chunk settles where
-        fixed + tokens x cost per token fills the rounds' time.)"""
-        known = self._round_seconds is not None and self._token_seconds is not None
-        if self.prefill_gap_rounds is not None and known:
-            tokens = int(self.prefill_gap_rounds * self._round_seconds / self._token_seconds)
-            self.scheduler.decode_chunk = max(self.blocks.block_size, tokens)
-
-    # -- timing -----------------------------------------------------------------------------------------
-
-    def _now(self) -> float:
-        """The host clock once the device has caught up (the prefill's end, the auto budget's calibration
-        forwards); a round's stages use ``StageClock`` instead, which does not wait."""
-        return self.runner.now()

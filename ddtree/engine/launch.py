@@ -21,6 +21,8 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
+from ddtree import startup
+from ddtree.config import EngineConfig
 from ddtree.engine.rank_worker import (
     ShardSpec,
     rank_device,
@@ -28,8 +30,16 @@ from ddtree.engine.rank_worker import (
     spawned_rank_main,
     torchrun_rank,
 )
-from ddtree.engine.step_channel import TensorParallelError, connect, log, reported_failure
+from ddtree.engine.step_channel import (
+    StepChannel,
+    TensorParallelError,
+    close_channel,
+    connect,
+    log,
+    reported_failure,
+)
 from ddtree.errors import DDTreeError
+from ddtree.speculative.drafter import DFlashDrafter
 
 
 def check_world(world_size: int, device: torch.device) -> None:
@@ -160,7 +170,7 @@ def start_tensor_parallel(
     """Rank 0 of ``world_size``: start the other ranks (or, under torchrun, join them), load and shard
     this rank's target while they load theirs, and open the step channel. Returns (target shard,
     tokenizer, channel). Under torchrun a rank other than 0 serves rank 0's steps here and exits."""
-    from ddtree.models import check_model_dir, load_target
+    from ddtree.model.loader import check_model_dir, load_target
 
     launched = torchrun_rank()
     if device.type == "cpu" and launched is None:  # the ranks share this machine's cores: split the threads
@@ -168,7 +178,6 @@ def start_tensor_parallel(
     spec = ShardSpec(str(target_dir), dtype, str(device), max_model_len, torch.get_num_threads())
     if launched is not None and launched[0] != 0:
         run_torchrun_worker(spec)
-        raise SystemExit(0)
     check_model_dir(target_dir, "target")
     if dist.is_initialized():
         raise DDTreeError(
@@ -190,3 +199,44 @@ def start_tensor_parallel(
         raise
     channel.ranks = ranks
     return target, tokenizer, channel
+
+
+def load_models(
+    target_dir,
+    drafter_dir,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: str | torch.dtype,
+    trust_remote_code: bool,
+) -> tuple[torch.nn.Module, DFlashDrafter | None, object, StepChannel | None]:
+    """The target (this rank's shard under tensor parallelism, the other ranks started), its tokenizer,
+    the drafter in the target's dtype, and rank 0's step channel (None in one process)."""
+    from ddtree.model.loader import load_drafter, load_target
+
+    tp, max_model_len = config.tensor_parallel_size, config.max_model_len
+    check_world(tp, device)
+    channel = None
+    with startup.phase("weights"):
+        if tp > 1:
+            target, tokenizer, channel = start_tensor_parallel(
+                target_dir, dtype, device, max_model_len, tp, trust_remote_code
+            )
+            device = channel.device
+        else:
+            target, tokenizer = load_target(
+                target_dir,
+                device=device,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                trust_remote_code=trust_remote_code,
+            )
+        try:
+            drafter = None
+            if drafter_dir is not None:
+                dtype = next(target.parameters()).dtype  # "auto" resolved
+                drafter = load_drafter(drafter_dir, max_model_len).to(device=device, dtype=dtype)
+        except BaseException:
+            if channel is not None:
+                close_channel(channel)
+            raise
+    return target, drafter, tokenizer, channel

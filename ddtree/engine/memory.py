@@ -7,7 +7,8 @@ decides the pool (a real-size largest step takes minutes on a few cores).
 
 The pool is never larger than every running request at ``max_model_len`` needs, and never smaller than one
 such request: a ``max_model_len`` the user set that does not fit is a one-line error naming the flags to
-change; the model's own context is lowered to what fits.
+change; the model's own context is lowered to what fits. ``plan_pool`` plans (and profiles) the pool the
+``ModelRunner`` then allocates.
 """
 
 from __future__ import annotations
@@ -15,12 +16,18 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from ddtree import startup
 from ddtree.errors import DDTreeError
+from ddtree.model.capture import tree_mask
+from ddtree.model.forward import TargetForward
+from ddtree.model.kv_cache import KVLayout, PagedKVCache
+from ddtree.speculative.drafter import DFlashDrafter
 
 log = logging.getLogger(__name__)
 
@@ -188,3 +195,199 @@ def plan_kv(
     return KVPlan(
         blocks + 1, length, cache.kv_cache_memory is None and blocks < max_num_seqs * request_blocks(length)
     )
+
+
+PROFILE_ROWS = 2  # a reduced profile's round runs this many rows, its peak scaled to the real count
+# A reduced profile's peak is budgeted at MARGIN x measured + SLACK: the resident set also grows with the
+# layers left out (heap fragmentation: Qwen3-0.6B's shapes, 28 layers, 40,960 columns: reduced 3.87 GiB,
+# full 4.72 GiB, 1.22x) and reads +-20 MiB at small shapes (the built-in pair: up to 1.75x at 36 MiB).
+PROFILE_MARGIN, PROFILE_SLACK = 1.5, 64 << 20
+PROFILE_BLOCKS = 128  # the reduced profile's shorter span (blocks; the longer is twice it), or an eighth
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """What the largest steps run through: the target's forward and LM head, its dtype and device, the
+    drafter (its feature layers) and the pool's block size."""
+
+    forward: TargetForward
+    lm_head: torch.nn.Module
+    dtype: torch.dtype
+    device: torch.device
+    drafter: DFlashDrafter | None
+    block_size: int
+
+
+def pool_layouts(
+    forward: TargetForward, dtype: torch.dtype, drafter: DFlashDrafter | None
+) -> list[tuple[int, KVLayout, torch.dtype]]:
+    """(layers, what a layer caches per token, dtype) of the target's pool and the drafter's."""
+    layouts = [(len(forward.layers), forward.layout, dtype)]
+    if drafter is not None:
+        attn = drafter.layers[0].self_attn
+        draft_layout = KVLayout.gqa(attn.num_kv_heads, attn.head_dim)
+        layouts.append((len(drafter.layers), draft_layout, next(attn.parameters()).dtype))
+    return layouts
+
+
+def pool_bytes(layouts: list[tuple[int, KVLayout, torch.dtype]], block_size: int) -> tuple[int, int]:
+    """Bytes a token takes in the target's pool (all layers), and a block in every pool (one allocation
+    covers a request in each)."""
+    per_token = [n * layout.elements_per_token() * dt.itemsize for n, layout, dt in layouts]
+    return per_token[0], sum(per_token) * block_size
+
+
+def plan_pool(
+    model: StepModel,
+    config,
+    cache: CacheConfig,
+    block_bytes: int,
+    request_blocks: Callable[[int], int],
+    steps: tuple[int, int, int],
+    max_model_len: int,
+    explicit_len: bool,
+    profile: bool,
+) -> tuple[KVPlan, int | None]:
+    """The pool (``plan_kv``) for the largest ``steps`` (prefill tokens, rows, tree nodes) of a target whose
+    HF ``config`` gives its sizes: planned with their estimated activations, then with their measured
+    peak where it may decide the pool; returns the plan and that peak (None when nothing was measured).
+
+    The measure is vLLM's profiling run: in full on an accelerator (milliseconds there), reduced on a CPU
+    (seconds; the full steps take minutes at real size on a few cores) and there only where the share
+    decides the pool (where every request's context fits, no measurement changes it). Not without
+    ``profile`` (tensor parallelism: the other ranks would have to join its collectives before they
+    exist)."""
+    tokens, rows, nodes = steps
+    bs, elem, forward = model.block_size, model.dtype.itemsize, model.forward
+
+    def activations(length: int) -> int:
+        column, absorbed = (forward.gathered_bytes_per_column(elem, absorbed=a) for a in (False, True))
+        return activation_bytes(
+            config, tokens, rows, nodes, request_blocks(length) * bs, elem, column, absorbed
+        )
+
+    args = (cache, model.device, block_bytes, request_blocks)
+    plan = plan_kv(*args, activations, rows, max_model_len, explicit_len)
+    measure = model.device.type != "cpu" or plan.share_bound
+    if not (measure and profile and cache.kv_cache_memory is None):
+        return plan, None
+    step = (*steps, request_blocks(plan.max_model_len))
+    reduced = model.device.type == "cpu"
+    t0 = time.perf_counter()
+    with startup.phase("profile"):
+        if reduced:
+            at_width = extrapolated_peak(model, *step)
+        else:
+            measured = profile_step(model, *step)
+            at_width = None if measured is None else lambda blocks, p=measured: p
+    if at_width is None:
+        return plan, None
+
+    def peak(length: int) -> int:
+        return at_width(request_blocks(length))
+
+    plan = plan_kv(*args, peak, rows, plan.max_model_len, explicit_len)
+    profiled = peak(plan.max_model_len)
+    log.info(
+        "profiled the largest step (%d-token prefill, %d rows x %d nodes, %d columns%s) in %.1f s: %s at "
+        "its peak (estimated %s); the KV cache gets the memory share less it",
+        *steps,
+        request_blocks(plan.max_model_len) * bs,
+        f"; one layer of each kind, {PROFILE_ROWS} rows, two short spans, extrapolated, "
+        f"x{PROFILE_MARGIN} + {gib(PROFILE_SLACK)}"
+        if reduced
+        else "",
+        time.perf_counter() - t0,
+        gib(profiled),
+        gib(activations(plan.max_model_len)),
+    )
+    return plan, profiled
+
+
+def extrapolated_peak(
+    model: StepModel, tokens: int, rows: int, nodes: int, width: int
+) -> Callable[[int], int] | None:
+    """A CPU's profile: the largest steps' budgeted peak as a function of the blocks they attend over.
+    The reduced profile (``profile_step(reduced=True)``) runs at two short spans, ``PROFILE_BLOCKS``
+    blocks (or an eighth of ``width``; at least what holds the steps' tokens) and twice that (or else
+    all of ``width``), and is extrapolated linearly (what grows with the columns, the masks and the
+    gathered keys and values, grows linearly), at least at the rate those bytes alone grow. Short spans
+    keep the profile from costing what the full steps cost (a 2,048-token prefill over a long context:
+    minutes) or needing the memory whose lack it is there to find, and let a plan lower
+    ``max_model_len`` knowing what each length costs. Budgeted at ``PROFILE_MARGIN`` x +
+    ``PROFILE_SLACK``."""
+    need = -(-max(tokens, nodes) // model.block_size) + 1  # blocks that hold the steps' own tokens
+    near = max(need, min(width // 8, PROFILE_BLOCKS))
+    far = 2 * near
+    if far >= width:
+        near = far = width
+    peaks = [profile_step(model, tokens, rows, nodes, w, reduced=True) for w in (near, far)]
+    if None in peaks:
+        return None
+    # Per column, what a CPU's steps surely hold: the prefill's mask and gathered keys/values (MLA's
+    # expanded), the round's rows' masks and gathers (SDPA on a CPU takes GQA without expanding heads).
+    elem, forward = model.dtype.itemsize, model.forward
+    read = forward.layout.elements_per_token() * elem
+    per_column = max(
+        tokens + (forward.gathered_bytes_per_column(elem) if forward.mla else read),
+        rows * (nodes + read),
+    )
+    slope = max(per_column * model.block_size, (peaks[1] - peaks[0]) // max(far - near, 1))
+
+    def at_width(blocks: int) -> int:
+        return int(PROFILE_MARGIN * max(peaks[1] + slope * (blocks - far), 0)) + PROFILE_SLACK
+
+    return at_width
+
+
+def profile_step(
+    model: StepModel, tokens: int, rows: int, nodes: int, width: int, reduced: bool = False
+) -> int | None:
+    """Peak bytes of the largest steps this configuration allows (``peak_bytes``): a prefill chunk of
+    ``tokens`` tokens ending at the last of ``width`` blocks, and a round of ``rows`` trees of ``nodes``
+    nodes there with every node's float32 distribution sorted (what the sampling filters hold). They run
+    over a one-block pool every table entry points to: the shapes and kernels of a full pool, without its
+    bytes.
+
+    ``reduced`` (a CPU, where the full steps of a real-size model take minutes): the steps run through
+    one layer of each kind (``TargetForward.representative_layers``: the same transient memory as all of
+    them, which run one after the other) and the round at ``PROFILE_ROWS`` rows, its peak scaled to
+    ``rows`` (every byte of a round's transient memory belongs to a row; what is not, scaled too, only
+    overestimates); the drafter features of the layers left out are added as computed
+    (``extrapolated_peak`` budgets the result)."""
+    device, bs, dtype = model.device, model.block_size, model.dtype
+    forward = model.forward
+    feature_layers = None if model.drafter is None else model.drafter.target_layer_ids
+    measured_rows, dropped = rows, 0
+    if reduced:
+        forward = forward.over(forward.representative_layers())
+        measured_rows = min(rows, PROFILE_ROWS)
+        if feature_layers is not None:  # the kept outputs of all but one feature layer
+            hidden_size = model.lm_head.weight.shape[1]  # [V, H]
+            dropped = (len(feature_layers) - 1) * tokens * hidden_size * dtype.itemsize
+            feature_layers = [len(forward.layers) - 1] * len(feature_layers)
+    span = width * bs
+    cache = PagedKVCache(len(forward.layers), 1, bs, width, forward.layout, dtype, device)
+    tables = torch.zeros(measured_rows, width + 1, dtype=torch.int64, device=device)  # [B, W + 1]: block 0
+    keys = torch.arange(span, device=device)  # [span]
+
+    def prefill() -> None:
+        positions = keys[max(span - tokens, 0) :][None]  # [1, P]
+        mask = (keys <= positions[:, :, None])[:, None]  # [1, 1, P, span]
+        write = cache.at(tables[:1], positions, span)
+        hidden, _ = forward(torch.zeros_like(positions), positions, write, mask, feature_layers, False)
+        model.lm_head(hidden[:, -1])
+
+    def round_() -> None:
+        positions = keys[max(span - nodes, 0) :][None].expand(measured_rows, -1)  # [B, N]
+        starts = positions[:, 0]  # [B]
+        anc = torch.ones(measured_rows, nodes, nodes, dtype=torch.bool, device=device).tril()  # [B, N, N]
+        write = cache.at(tables, positions, span)
+        hidden, _ = forward(torch.zeros_like(positions), positions, write, tree_mask(starts, anc, span))
+        torch.softmax(model.lm_head(hidden).float(), dim=-1).sort(dim=-1)  # [B, N, V] x 3
+
+    with torch.inference_mode():
+        first, widest = (peak_bytes(device, step) for step in (prefill, round_))
+    if first is None or widest is None:
+        return None
+    return max(first + dropped, -(-widest * rows // measured_rows))

@@ -13,12 +13,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ddtree.capture import pick, upload
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Request
-from ddtree.penalties import NodePenalties
-from ddtree.sampling import SamplingTensors, filtered_probs
-from ddtree.tree import TreeBatch, TreeShape, TreeSpec, build_tree_batch, draft_candidates
+from ddtree.model.capture import upload
+from ddtree.request.penalties import NodePenalties
+from ddtree.speculative.sampling import SamplingTensors, filtered_probs
+from ddtree.speculative.tree import TreeBatch, TreeShape, TreeSpec, build_tree_batch, draft_candidates
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class Proposer:
 
     def __init__(self, runner: ModelRunner, auto_max_budget: int, sampling_aware_trees: bool) -> None:
         self.runner = runner
+        self.shapes = runner.shapes
         self.auto_max_budget = auto_max_budget
         # When on, sampled rows build their tree from the drafter's distribution under the request's own
         # sampling transform (verification is unchanged). Off by default: measured, it did not pay.
@@ -48,7 +49,7 @@ class Proposer:
         if rows:
             slots = [DraftSlot(f, r.draft_len, r.root) for r, f in zip(rows, features, strict=True)]
             width = max(f.shape[0] for f in features)
-            self.draft_pass(slots, width, self.runner.block_tables(rows), fixed=False)
+            self.draft_pass(slots, width, self.shapes.block_tables(rows), fixed=False)
 
     def draft(self, rows: list[Request]) -> tuple[torch.Tensor, list[int]]:
         """One drafter pass over these rows' [root, MASK x (block_size - 1)]; returns the hidden states of
@@ -63,9 +64,9 @@ class Proposer:
         """
         pending = [torch.cat(r.features) if r.features else None for r in rows]  # [T_i, F * H]
         totals = [0 if p is None else p.shape[0] for p in pending]
-        if self.runner.fixed_shapes:
-            b = pick(self.runner.batch_buckets, len(rows))
-            tables = self.runner.block_tables([*rows, *[None] * (b - len(rows))])
+        if self.shapes.fixed:
+            b = self.shapes.batch_bucket(len(rows))
+            tables = self.shapes.block_tables([*rows, *[None] * (b - len(rows))])
             c, done = self.runner.drafter.block_size, [0] * len(rows)
             while True:
                 slots = [
@@ -78,7 +79,7 @@ class Proposer:
                     break
         else:
             slots = [DraftSlot(p, r.draft_len, r.root) for r, p in zip(rows, pending, strict=True)]
-            hidden = self.draft_pass(slots, max(totals), self.runner.block_tables(rows), fixed=False)
+            hidden = self.draft_pass(slots, max(totals), self.shapes.block_tables(rows), fixed=False)
         return hidden[: len(rows), 1:], totals  # [D, block_size - 1, H]
 
     def draft_logits(self, hidden: torch.Tensor, depth: int) -> torch.Tensor:
@@ -127,7 +128,7 @@ class Proposer:
                 block[i, 0] = slot.root
             block_cols[i] = slot.start + k + np.arange(bs)  # after the consumed context
             ends[i] = slot.start + k + bs
-        inputs = self.runner.inputs.load(
+        inputs = self.shapes.inputs.load(
             fixed,
             block=block,
             features=features,
@@ -138,10 +139,10 @@ class Proposer:
             ends=ends,
             tables=tables,
         )
-        span = span or self.runner.span(int(ends.max()))
+        span = span or self.shapes.span(int(ends.max()))
         # flex (compiled passes only: uncompiled, FlexAttention is a dense fallback over the whole pool)
         mask = (
-            self.runner.block_mask(self.runner.draft_cache, inputs[-1], inputs[-2], None, bs)
+            self.shapes.block_mask(self.runner.draft_cache, inputs[-1], inputs[-2], None, bs)
             if fixed
             else None
         )
@@ -162,7 +163,7 @@ class Proposer:
     def drafted_room(self, r: Request) -> int:
         """Drafted nodes that fit in the row and in the largest node bucket (a tree never changes the
         output)."""
-        return min(self.room(r) - 1, self.runner.max_drafted)
+        return min(self.room(r) - 1, self.shapes.max_drafted)
 
     def budget(self, r: Request) -> int:
         """Nodes of the tree built this round; for "auto", candidates: a few more than chosen last time
@@ -196,17 +197,17 @@ class Proposer:
                 budget = min(self.budget(r), room)
                 k = budget if r.topk is None else r.topk
                 spec.budgets[i], spec.topks[i], spec.depths[i] = budget, min(k, budget, vocab), depth
-        runner = self.runner
-        plain = lambda: TreeBatch.root_only(runner.inputs.upload(np.array([r.root for r in rows])))  # noqa: E731
+        runner, shapes = self.runner, self.shapes
+        plain = lambda: TreeBatch.root_only(shapes.inputs.upload(np.array([r.root for r in rows])))  # noqa: E731
         if hidden is None or not spec.budgets.any():
             return plain()
         k = int(spec.topks.max())
         shape, bp = None, b
-        if runner.fixed_shapes:  # one tree graph per bucket: a batch bucket of rows, a node bucket wide
-            n = runner.node_bucket(int(spec.sizes(int(spec.budgets.max()), k).max()))
+        if shapes.fixed:  # one tree graph per bucket: a batch bucket of rows, a node bucket wide
+            n = shapes.node_bucket(int(spec.sizes(int(spec.budgets.max()), k).max()))
             if n == 1:
                 return plain()
-            bp = pick(runner.batch_buckets, b)
+            bp = shapes.batch_bucket(b)
             shape = TreeShape.bucket(n, runner.drafter.block_size - 1, vocab)
             k = shape.k
             spec = TreeSpec(*(np.pad(x, (0, bp - b)) for x in (spec.budgets, spec.topks, spec.depths)))
@@ -219,14 +220,14 @@ class Proposer:
         if len(drafting) < bp:  # rows that do not draft this round get candidates they never read
             at = np.zeros(bp, dtype=np.int64)
             at[:b] = [drafted.get(id(r), 0) for r in rows]
-            where = runner.inputs.upload(at)
+            where = shapes.inputs.upload(at)
             vals, ids = vals[where], ids[where]
         roots = np.zeros(bp, dtype=np.int64)
         roots[:b] = [r.root for r in rows]
-        roots_t = runner.inputs.upload(roots)  # [Bp]
+        roots_t = shapes.inputs.upload(roots)  # [Bp]
         if shape is None:
             return build_tree_batch(vals, ids, roots_t, spec)
-        return build_tree_batch(vals, ids, roots_t, spec, shape, runner.tree_graph, rows=b)
+        return build_tree_batch(vals, ids, roots_t, spec, shape, shapes.tree_graph, rows=b)
 
     def sampling_aware(self, drafting: list[Request], logits: torch.Tensor) -> torch.Tensor:
         """Sampled rows draft from the drafter's distribution under their own sampling transform (-inf =
@@ -261,7 +262,7 @@ def grammar_first_level(drafting: list[Request], logits: torch.Tensor) -> torch.
     depend on the path and stay as drafted; verification masks every node either way."""
     if not any(r.grammar is not None for r in drafting):
         return logits
-    from ddtree.grammar import mask_next  # xgrammar: only for engines that serve it
+    from ddtree.request.grammar import mask_next  # xgrammar: only for engines that serve it
 
     logits[:, 0] = mask_next(logits[:, 0], [r.grammar for r in drafting])  # [D, V]; the round's own copy
     return logits

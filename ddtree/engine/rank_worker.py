@@ -1,8 +1,8 @@
 """A tensor-parallel rank other than 0: load its shard of the target, join the group, and make every call
 rank 0 sends until it says stop.
 
-Each such rank holds only its shard of the target (``ddtree.tensor_parallel.shard_target``, read slice by
-slice from the checkpoint) and its shard of the target's KV pool (its KV heads, the same blocks; MLA: the
+Each such rank holds only its shard of the target (``ddtree.model.tensor_parallel.shard_target``, read slice
+by slice from the checkpoint) and its shard of the target's KV pool (its KV heads, the same blocks; MLA: the
 whole latent pool, which every head reads): no drafter, no LM head, no scheduler. It is either spawned by
 rank 0 (``spawned_rank_main``) or started by torchrun (``run_torchrun_worker``); rank 0 dying closes its
 socket, and it exits.
@@ -103,7 +103,7 @@ class ShardSpec:
 
 
 def load_shard(spec: ShardSpec, rank: int, world_size: int, device: torch.device):
-    from ddtree.models import load_target  # here: models imports transformers, which rank 0 has already
+    from ddtree.model.loader import load_target  # here: models imports transformers, which rank 0 has already
 
     target, _ = load_target(
         spec.target_dir,
@@ -131,12 +131,22 @@ def spawned_rank_main(rank: int, world_size: int, init_method: str, spec: ShardS
     serve_rank(target, rank, world_size, device, init_method)
 
 
+def worker_runner(target, channel: StepChannel, init: tuple) -> ModelRunner:
+    """This rank's runner, from rank 0's ``init`` (its largest steps, cache config, KV plan and drafter
+    block): its shard of the target and of the KV pool, with rank 0's blocks and widths."""
+    (tokens, rows, nodes), cache, plan, draft_block = init
+    pool = (plan, draft_block)
+    return ModelRunner(
+        target, None, rows, plan.max_model_len, tokens, nodes, cache, True, channel=channel, pool=pool
+    )
+
+
 def serve_rank(target, rank: int, world_size: int, device: torch.device, init_method: str) -> NoReturn:
     """A rank other than 0, its shard loaded: join the group, serve rank 0's steps until ``stop``, and end
     the process (``exit_after_group``: 0 when stopped, 1 when this rank or rank 0 failed)."""
     channel = connect(rank, world_size, device, init_method)
     try:
-        serve_steps(channel, lambda args: ModelRunner.worker(target, channel, *args))
+        serve_steps(channel, lambda init: worker_runner(target, channel, init))
     except TensorParallelError as exc:  # this rank failed in a step (reported to rank 0 too)
         print(f"ddtree: {exc}", file=sys.stderr)
         exit_after_group(1)

@@ -6,21 +6,32 @@ parts own its fields as their docstrings say.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from ddtree.logprobs import TokenLogprobs
-from ddtree.output import OutputState
-from ddtree.params import AUTO, SamplingParams, lossy_threshold_fields
-from ddtree.stats import mean_acceptance_length
+from ddtree.request.logprobs import TokenLogprobs
+from ddtree.request.output import OutputState
+from ddtree.request.params import AUTO, SamplingParams, lossy_threshold_fields
+from ddtree.request.stats import mean_acceptance_length
 
 if TYPE_CHECKING:  # xgrammar is imported only by engines that get a structured-output request
-    from ddtree.grammar import GrammarState
-    from ddtree.penalties import RequestPenalties
+    from ddtree.request.grammar import GrammarState
+    from ddtree.request.penalties import RequestPenalties
 
 STAGES = ("draft", "tree", "inputs", "verify", "accept", "commit")
+
+
+class RequestStatus(enum.Enum):
+    """Where a request stands; only the ``Scheduler`` moves it (vLLM's ``RequestStatus``)."""
+
+    WAITING = "waiting"  # queued, never admitted
+    PREFILLING = "prefilling"  # admitted: its ``prefill_ids`` are going into the cache, chunk by chunk
+    RUNNING = "running"  # decoding: a row of every round
+    PREEMPTED = "preempted"  # its blocks were taken back: queued first, to prefill prompt and output again
+    FINISHED = "finished"  # stopped, aborted or failed (``output.finish_reason`` says which): gone
 
 
 @dataclass
@@ -166,11 +177,12 @@ class Request:
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks so far
     cached_blocks: int = 0  # of its blocks, those already indexed in the prefix cache (or examined)
     error: str | None = None  # why a step failed for this request alone (finish_reason "error")
+    status: RequestStatus = RequestStatus.WAITING
 
     @property
     def prefilling(self) -> bool:
         """Admitted, but its prefill (``prefill_ids``) is not all in the cache yet."""
-        return self.computed < len(self.prefill_ids)
+        return self.status is RequestStatus.PREFILLING
 
     @property
     def drafts(self) -> bool:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ddtree.engine.block_manager import BlockManager
-from ddtree.engine.request import Request, StepOutput, StreamDelta
+from ddtree.engine.request import Request, RequestStatus, StepOutput, StreamDelta
 from ddtree.errors import DDTreeError
 
 
@@ -52,6 +52,7 @@ class Scheduler:
         self.draft_block = draft_block  # columns a drafter pass writes after the context (0: no drafter)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; a round's batch keeps it
+        self.requests: dict[str, Request] = {}  # every live (waiting or running) request, by id
         self.auto_skip = 0  # rounds left in which "auto" rows run plain (set by the auto budget policy)
         self.num_preemptions = 0
         self._prefilled_last = False
@@ -60,14 +61,21 @@ class Scheduler:
     def new_id(self, request_id: str | None) -> str:
         """``request_id``, or a fresh one; refused when a live request already has it."""
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if self.find(request_id) is not None:
+        if request_id in self.requests:
             raise DDTreeError(f"request_id {request_id!r} is already in use")
         return request_id
 
+    def add(self, r: Request) -> None:
+        """Queue a new request (its id from ``new_id``) behind the waiting ones."""
+        if r.request_id in self.requests:
+            raise DDTreeError(f"request_id {r.request_id!r} is already in use")
+        r.status = RequestStatus.WAITING
+        self.requests[r.request_id] = r
+        self.waiting.append(r)
+
     def find(self, request_id: str) -> Request | None:
-        return next(
-            (r for r in itertools.chain(self.waiting, self.running) if r.request_id == request_id), None
-        )
+        """The live request with this id, or None."""
+        return self.requests.get(request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting)
@@ -132,10 +140,11 @@ class Scheduler:
                     r.prefill_ids, r.computed = [], 0
                     break
                 r.draft_len = r.computed if r.drafts else 0  # a hit holds the drafter's context too
-                if not r.output.token_ids:  # its first admission (a preempted one has output)
+                if r.status is RequestStatus.WAITING:  # its first admission
                     r.stats.cached_tokens = r.computed
                 self.waiting.remove(r)
                 self.running.append(r)
+                r.status = RequestStatus.PREFILLING
             elif not self.blocks.grow(r, need):
                 break
             chunks.append(Chunk(r, tokens))
@@ -201,8 +210,9 @@ class Scheduler:
         if out.prefilled is not None:
             r.computed += out.prefilled[i]
             r.stats.prefill_seconds += out.seconds  # every chunk's step, not only the last one's
-            if r.prefilling:
+            if r.computed < len(r.prefill_ids):
                 return None
+            r.status = RequestStatus.RUNNING
             r.start = r.computed
             if not out.tokens[i]:  # resumed after a preemption: its output is already written
                 r.root = r.output.token_ids[-1]
@@ -221,10 +231,7 @@ class Scheduler:
     def fail(self, r: Request, exc: BaseException) -> StreamDelta:
         """A step failed for r alone (``Engine`` found it by running r's part of the step alone): r leaves
         with finish_reason "error" and the reason; its blocks go back, none of them indexed by this step."""
-        if r in self.running:
-            self._leave(r)
-        else:
-            self._remove_waiting(r.request_id)
+        self._finish(r)
         r.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
         r.output.finish_reason = "error"
         return delta_of(r, len(r.output.token_ids))
@@ -239,18 +246,17 @@ class Scheduler:
     def abort(self, request_id: str) -> Request | None:
         """Drop a waiting or running request (a running one's blocks go back to the pool); its output
         finishes with "abort". None if no live request has that id."""
-        r = self._remove_waiting(request_id)
+        r = self.find(request_id)
         if r is None:
-            r = self.find(request_id)
-            if r is None:
-                return None
-            self.release(r)
+            return None
+        self._finish(r)
         r.output.finish_reason = "abort"
         return r
 
     def preempt(self, r: Request) -> None:
         """Free r's blocks and queue it first: its next prefill recomputes its prompt and output."""
         self._leave(r)
+        r.status = RequestStatus.PREEMPTED
         r.computed = r.start = r.draft_len = 0
         r.prefill_ids = []
         r.stats.preemptions += 1
@@ -264,15 +270,18 @@ class Scheduler:
         self.auto_skip = max(self.auto_skip - 1, 0)
         return drafting
 
-    def _remove_waiting(self, request_id: str) -> Request | None:
-        r = next((r for r in self.waiting if r.request_id == request_id), None)
-        if r is not None:
-            self.waiting.remove(r)
-        return r
-
     def release(self, r: Request) -> None:
-        """A running request finished or was aborted: its blocks go back to the pool (no KV copies)."""
-        self._leave(r)
+        """A running request finished: its blocks go back to the pool (no KV copies)."""
+        self._finish(r)
+
+    def _finish(self, r: Request) -> None:
+        """r leaves for good, from the queue or a row (its blocks back to the pool)."""
+        if r.status in (RequestStatus.PREFILLING, RequestStatus.RUNNING):
+            self._leave(r)
+        elif r.status is not RequestStatus.FINISHED:
+            self.waiting.remove(r)
+        self.requests.pop(r.request_id, None)
+        r.status = RequestStatus.FINISHED
 
     def _leave(self, r: Request) -> None:
         self.running.remove(r)

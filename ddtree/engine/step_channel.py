@@ -28,16 +28,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
 
 from ddtree.errors import DDTreeError
-from ddtree.tensor_parallel import TPGroup
-
-if TYPE_CHECKING:
-    from ddtree.engine.launch import RankSet
+from ddtree.model.tensor_parallel import TPGroup
 
 log = logging.getLogger("ddtree.tp")
 
@@ -102,6 +99,18 @@ class ChannelStats:
 Call = tuple[str, tuple]  # a replicated call: its name, and its arguments with tensors as TensorSpecs
 
 
+class SpawnedRanks(Protocol):
+    """What the channel asks of rank 0's spawned ranks (``launch.RankSet``): the first failure, and ending
+    them."""
+
+    failure: str | None
+    closing: bool
+
+    def check(self) -> None: ...
+    def fail(self, reason: str) -> None: ...
+    def close(self, timeout: float = 10.0) -> None: ...
+
+
 @dataclass
 class StepChannel:
     """Rank 0 sends the replicated model-runner calls; the other ranks receive them and make them too.
@@ -115,7 +124,7 @@ class StepChannel:
     device: torch.device
     control: dist.ProcessGroup  # gloo: pickled headers, waited on without a practical timeout
     stats: ChannelStats = field(default_factory=ChannelStats)
-    ranks: RankSet | None = None  # rank 0 of spawned ranks: the processes and their watcher
+    ranks: SpawnedRanks | None = None  # rank 0 of spawned ranks: the processes and their watcher
     closed: bool = False  # the other ranks were told to stop: rank 0's shard alone must not run
     failure: str | None = None  # a step failed on some rank (``abort``): the engine runs no more
     pending: list[Call] = field(default_factory=list)  # deferred calls, sent with the next message

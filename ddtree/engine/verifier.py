@@ -11,15 +11,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ddtree.capture import pick, upload
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Request
-from ddtree.logprobs import TokenLogprobs, token_logprobs
-from ddtree.params import SamplingParams
-from ddtree.penalties import NodePenalties
-from ddtree.sampling import GRAPH_TOP_K, SamplingTensors, filtered_probs, inverse_cdf, sample_tree_batch
-from ddtree.tree import PaddedTrees, TreeBatch
-from ddtree.verify import Accepted, accept_greedy, ancestor_mask, walk_greedy
+from ddtree.model.capture import upload
+from ddtree.request.logprobs import TokenLogprobs, token_logprobs
+from ddtree.request.params import SamplingParams
+from ddtree.request.penalties import NodePenalties
+from ddtree.speculative.sampling import (
+    GRAPH_TOP_K,
+    SamplingTensors,
+    filtered_probs,
+    inverse_cdf,
+    sample_tree_batch,
+)
+from ddtree.speculative.tree import PaddedTrees, TreeBatch
+from ddtree.speculative.verify import Accepted, accept_greedy, ancestor_mask, walk_greedy
 
 ARGMAX_CHUNK_ENTRIES = 1 << 24  # logits per LM-head call of the greedy acceptance (64 MB in float32)
 SAMPLE_ENTRIES = 1 << 26  # at most this many filtered probabilities at once (256 MB in float32)
@@ -71,13 +77,14 @@ class Verifier:
 
     def __init__(self, runner: ModelRunner, threshold_single: float, threshold_acc: float) -> None:
         self.runner = runner
+        self.shapes = runner.shapes
         self.threshold_single = threshold_single  # SGLang's thresholds; below 1.0 acceptance is lossy
         self.threshold_acc = threshold_acc
 
     def first_tokens(self, logits: torch.Tensor, batch: list[Request]) -> list[int]:
         """The first token of each request, straight from the prefill logits [B, V]."""
         if any(r.grammar is not None for r in batch):
-            from ddtree.grammar import mask_next  # xgrammar: only for engines that serve it
+            from ddtree.request.grammar import mask_next  # xgrammar: only for engines that serve it
 
             logits = mask_next(logits, [r.grammar for r in batch])
         if any(r.penalties is not None for r in batch):
@@ -110,21 +117,19 @@ class Verifier:
         sizes = trees.sizes if trees is not None else np.ones(0, dtype=np.int64)
         n = trees.tokens.shape[1] if trees is not None else 1
         starts = np.array([r.start for r in rows], dtype=np.int64)  # [B]
-        span = self.runner.span(int((starts + sizes).max(initial=1)))  # whole blocks, or a span bucket
+        span = self.shapes.span(int((starts + sizes).max(initial=1)))  # whole blocks, or a span bucket
         if shape is not None:
             bp, np_, span = shape
-        elif self.runner.fixed_shapes:
-            bp, np_ = pick(self.runner.batch_buckets, b), pick(self.runner.node_buckets, n)
         else:
-            bp, np_ = b, n
+            bp, np_ = self.shapes.batch_bucket(b), self.shapes.node_bucket(n)
         all_starts = np.ones(bp, dtype=np.int64)  # a dummy row sees column 0 (a masked-out row is NaN)
         all_starts[:b] = starts
-        starts_t = self.runner.inputs.upload(all_starts)  # [Bp]
-        tables = self.runner.block_tables(rows, bp)
+        starts_t = self.shapes.inputs.upload(all_starts)  # [Bp]
+        tables = self.shapes.block_tables(rows, bp)
         if trees is not None and trees.padded is not None:  # fixed shapes: the bucket's graph
-            scratch, depth = self.runner.cache.scratch, self.runner.tree_depth(np_)
-            ids, positions, cols, anc = self.runner.inputs_graph(trees.padded, starts_t, scratch, depth)
-            tensors = self.runner.inputs.load(
+            scratch, depth = self.runner.cache.scratch, self.shapes.tree_depth(np_)
+            ids, positions, cols, anc = self.shapes.inputs_graph(trees.padded, starts_t, scratch, depth)
+            tensors = self.shapes.inputs.load(
                 True, ids=ids, positions=positions, cols=cols, starts=starts_t, anc=anc, tables=tables
             )
             return VerifyBatch(*tensors, span=span, rows=b, nodes=n)
@@ -139,8 +144,8 @@ class Verifier:
             nodes = torch.arange(n, device=device)
             cols[:b, :n] = torch.where(valid, starts_t[:b, None] + nodes, self.runner.cache.scratch)
             anc[:b, :n, :n] = ancestor_mask(trees)
-        tensors = self.runner.inputs.load(
-            self.runner.fixed_shapes,
+        tensors = self.shapes.inputs.load(
+            self.shapes.fixed,
             ids=ids,
             positions=positions,
             cols=cols,
@@ -198,7 +203,7 @@ class Verifier:
 
     def accept_padded(self, rows: list[Request], trees: TreeBatch, hidden: torch.Tensor) -> Accepted | None:
         """The verdicts of a fixed-shape round from its bucket's graph (hidden [Bp, Np, H]), with no host
-        read: the walk takes the bucket's depth bound in steps (``ModelRunner.tree_depth``; steps past a
+        read: the walk takes the bucket's depth bound in steps (``RoundShapes.tree_depth``; steps past a
         tree's last level change nothing), and the choice between the head over every node and the walk
         is fixed per bucket. None (the general path) for what a graph does not hold: a mix of greedy and
         sampled rows, grammars, penalties, sampled distributions past ``SAMPLE_ENTRIES``."""
@@ -225,27 +230,27 @@ class Verifier:
         self, trees: PaddedTrees, hidden: torch.Tensor, branching: int
     ) -> tuple[torch.Tensor, ...]:
         """Greedy verdicts of padded trees through their bucket's graph (``verify.greedy_verdicts``)."""
-        runner, (bp, n) = self.runner, trees.tokens.shape
-        depth, head, floor = runner.tree_depth(n), runner.lm_head, runner.head_floor_rows
-        wide = bp * n * head.weight.shape[0] > ARGMAX_CHUNK_ENTRIES
-        walk = (depth + 1) * max(bp, floor) < max(bp * n, floor) or wide
+        shapes, head, (bp, n) = self.shapes, self.runner.lm_head, trees.tokens.shape
+        depth = shapes.tree_depth(n)
+        # All nodes at once (one graph: no chunks) only within ARGMAX_CHUNK_ENTRIES
+        walk = self.visit_nodes(bp, n, depth, bp * n * head.weight.shape[0] > ARGMAX_CHUNK_ENTRIES)
         branching = max(1, min(n - 1, branching))  # what the children table holds: one graph a bucket
-        return runner.greedy_graph(hidden, head.weight, head.bias, trees, depth, branching, walk)
+        return shapes.greedy_graph(hidden, head.weight, head.bias, trees, depth, branching, walk)
 
     def padded_probs(self, params: list[SamplingParams], hidden: torch.Tensor) -> torch.Tensor | None:
         """The filtered target distributions of a padded batch (``params``: one per row, dummies included;
         hidden [Bp, Np, H]) -> [Bp, Np, V]. With the round compiled, the bucket's graph with every filter on
         (``sampling.sampled_probs``; None past its top-k, for the eager path); eagerly, only the filters some
         row uses."""
-        runner, head = self.runner, self.runner.lm_head
+        shapes, head = self.shapes, self.runner.lm_head
         sampling = SamplingTensors.from_params(params, hidden.device)
-        if not runner.round_compiled:
+        if not shapes.round_compiled:
             return filtered_probs(head(hidden), sampling)
         if sampling.max_top_k > GRAPH_TOP_K:
             return None
         tensors = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
         kmax = min(GRAPH_TOP_K, head.weight.shape[0])
-        return runner.filter_graph(hidden, head.weight, head.bias, *tensors, kmax)
+        return shapes.filter_graph(hidden, head.weight, head.bias, *tensors, kmax)
 
     def sample_padded(
         self,
@@ -257,24 +262,22 @@ class Verifier:
     ) -> tuple[torch.Tensor, ...]:
         """Tree rejection sampling of padded trees through their bucket's graph (``sample_verdicts``)."""
         n = trees.tokens.shape[1]
-        depth, branching = self.runner.tree_depth(n), max(1, min(n - 1, branching))
-        return self.runner.sample_graph(
+        depth, branching = self.shapes.tree_depth(n), max(1, min(n - 1, branching))
+        return self.shapes.sample_graph(
             trees, probs, coins, finals, depth, branching, self.threshold_single, self.threshold_acc
         )
 
-    def visit_nodes(self, trees: TreeBatch, per_node_entries: int = 0) -> bool:
-        """Whether the LM head should follow the walk (depth + 1 calls over the G rows' current nodes)
+    def visit_nodes(self, g: int, n: int, depth: int, too_big: bool = False) -> bool:
+        """Whether the LM head should follow the walk (``depth`` + 1 calls over the G rows' current nodes)
         rather than cover all G x N nodes in one call.
 
-        A head call costs at least ``head_floor_rows`` rows' worth (see ``ModelRunner``). Wide, shallow
-        trees (a near-flat draft) and big budgets favour the walk; small batches of deep trees on an
-        accelerator favour one call. ``per_node_entries`` > 0 is what one node holds in memory when all
-        are taken at once (the sampled rows' filtered distributions): past ``SAMPLE_ENTRIES`` in all, the
-        walk is taken whatever the cost."""
-        g, n = trees.tokens.shape
+        A head call costs at least ``head_floor_rows`` rows' worth (see ``precision.head_floor_rows``).
+        Wide, shallow trees (a near-flat draft) and big budgets favour the walk; small batches of deep
+        trees on an accelerator favour one call. ``too_big``: all nodes at once would hold more than the
+        caller can (the sampled rows' filtered distributions past ``SAMPLE_ENTRIES``): the walk is taken
+        whatever the cost."""
         floor = self.runner.head_floor_rows
-        walk = (trees.depth + 1) * max(g, floor)
-        return walk < max(g * n, floor) or g * n * per_node_entries > SAMPLE_ENTRIES
+        return (depth + 1) * max(g, floor) < max(g * n, floor) or too_big
 
     def _penalties(self, rows: list[Request], trees: TreeBatch) -> NodePenalties | None:
         if all(r.penalties is None for r in rows):
@@ -285,7 +288,7 @@ class Verifier:
         """Greedy verdicts of these rows from their hidden states [G, N, H]; ``node`` turns the target's
         logits into the law plain decoding would use there (grammar, penalties)."""
         head = self.runner.lm_head
-        if self.visit_nodes(trees):
+        if self.visit_nodes(*trees.tokens.shape, trees.depth):
             rows = torch.arange(states.shape[0], device=states.device)
             return walk_greedy(trees, lambda cur: node(head(states[rows, cur]), rows, cur).argmax(dim=-1))
         # All nodes, ARGMAX_CHUNK_ENTRIES // V at a time: at a 152k vocabulary, all of 16 rows x 257 nodes
@@ -310,7 +313,8 @@ class Verifier:
         device = states.device
         head = self.runner.lm_head
         sampling = SamplingTensors.from_params([rows[i].params for i in group], device)
-        if self.visit_nodes(trees, per_node_entries=head.weight.shape[0]):
+        g, n = trees.tokens.shape
+        if self.visit_nodes(g, n, trees.depth, g * n * head.weight.shape[0] > SAMPLE_ENTRIES):
             at = torch.arange(states.shape[0], device=device)
             probs = lambda cur: filtered_probs(node(head(states[at, cur]), at, cur)[:, None], sampling)[:, 0]  # noqa: E731
         else:
@@ -413,7 +417,7 @@ class NodeLogits:
     def __call__(self, logits: torch.Tensor, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
         """``logits`` [M, V] at the nodes ``nodes`` [M] of rows ``rows`` [M]."""
         if self.allowed is not None:
-            from ddtree.grammar import apply_masks  # xgrammar: only for engines that serve it
+            from ddtree.request.grammar import apply_masks  # xgrammar: only for engines that serve it
 
             logits = apply_masks(logits, self.allowed[rows, nodes])
         if self.penalties is not None:

@@ -22,15 +22,15 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ddtree.params import SamplingParams
+from ddtree.request.params import SamplingParams
 from ddtree.server.auth import APIKeyMiddleware
 from ddtree.server.body import BodyParser
+from ddtree.server.config import ServerConfig
 from ddtree.server.errors import APIError, error_body, install_error_handlers
 from ddtree.server.generation import ServedModel
-from ddtree.server.limits import BodySizeLimit, Limits, longest_token_chars
+from ddtree.server.limits import BodySizeLimit, longest_token_chars
 from ddtree.server.metrics import Metrics, MetricsMiddleware
 from ddtree.server.openai_api import router as openai_router
-from ddtree.server.options import DEFAULT_MODEL_NAME
 from ddtree.server.protocol import Health, NotReady
 from ddtree.server.tokenize_api import router as tokenize_router
 from ddtree.server.tokens import TokenNames
@@ -42,25 +42,6 @@ NOT_READY = {
     "failed": ("the model failed to load", "model_load_failed"),
     "dead": ("the engine stopped", "engine_failed"),
 }
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    model_name: str = DEFAULT_MODEL_NAME
-    max_queue: int = 64  # requests that may wait for a place in the engine's batch; more get 429
-    request_timeout: float = 600.0  # seconds from arrival to the last token, queue wait included
-    engine_stop_timeout: float = 5.0  # how long the app's shutdown waits for the engine thread to stop
-    retry_after: int = 1  # seconds, sent with 429 and 503
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # /v1 needs one of them (none: open)
-    metrics_api_keys: tuple[str, ...] = field(default=(), repr=False)  # /metrics needs one (none: open)
-    allowed_origins: tuple[str, ...] = ()  # CORS for browser clients (none: off)
-    limits: Limits = field(default_factory=Limits)
-    step_delay: float = 0.0  # a test hook: seconds the engine thread sleeps before each step
-    enable_auto_tool_choice: bool = False  # tool_choice "auto" (the default with tools) is allowed
-    tool_call_parser: str | None = None  # ddtree.server.tool_parsers.TOOL_CALL_PARSERS
-    reasoning_parser: str | None = None  # ddtree.server.reasoning.REASONING_PARSERS
-    structured_outputs_in_reasoning: bool = False  # True: a grammar holds from the first token, reasoning too
-    start_body_parser: bool = False  # a large-body parse process starts with the app, not at the first one
 
 
 @dataclass

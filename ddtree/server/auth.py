@@ -16,8 +16,8 @@ from collections.abc import Iterable, Mapping
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ddtree.server.config import API_KEY_ENV
 from ddtree.server.errors import APIError
-from ddtree.server.options import API_KEY_ENV
 
 KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/version"})  # vLLM's, outside /v1: keyed as /v1
 

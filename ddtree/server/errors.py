@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree.errors import DDTreeError
+from ddtree.server.protocol import BOUND_ERROR
 
 log = logging.getLogger("ddtree.server")
 
@@ -83,6 +84,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if kind == "extra_forbidden":
         return invalid(f"unrecognized request argument: {param}", param, _CODES[kind])
     message = str(chosen.get("msg", "invalid value"))
+    if kind == BOUND_ERROR:  # a ddtree.request.params rule: its own message, as SamplingParams says it
+        return invalid(message, param)
     return invalid(f"{param}: {message}" if param else message, param, _CODES.get(kind))
 
 

@@ -14,16 +14,16 @@ import time
 from dataclasses import dataclass, field, replace
 
 from ddtree.errors import DDTreeError
-from ddtree.output import OutputState
-from ddtree.params import SamplingParams
-from ddtree.penalties import check_logit_bias
+from ddtree.request.output import OutputState
+from ddtree.request.params import RequestOptions, SamplingParams
+from ddtree.request.penalties import check_logit_bias
+from ddtree.request.stats import mean_acceptance_length
 from ddtree.server.chat import render_chat
 from ddtree.server.errors import invalid
 from ddtree.server.metrics import Metrics
 from ddtree.server.protocol import SpeculativeStats
 from ddtree.server.reasoning import grammar_start
 from ddtree.server.tokens import TokenNames
-from ddtree.stats import mean_acceptance_length
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context's end
 FLOOR_LOGPROB = -9999.0  # JSON has no -inf; a token the target gives no mass gets this
@@ -47,10 +47,8 @@ class Plan:
     n: int = 1
     prompts: list[str | list[int]] | None = None
     messages: list[dict] | None = None
-    method: str | None = None
-    budget: int | None = None
-    topk: int | None = None
-    cache_salt: str | None = None
+    # the engine's options for every row: method, budget, topk (None: the server's) and cache_salt
+    options: RequestOptions = RequestOptions()
     tools: list[dict] | None = None  # chat: for the template
     template_kwargs: dict | None = None  # chat: the request's chat_template_kwargs
     skip_special_tokens: bool = True  # False: the text keeps them (a tool parser's markers may be special)

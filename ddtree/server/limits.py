@@ -12,20 +12,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ddtree.errors import DDTreeError
+from ddtree.request.params import check_budget
+from ddtree.server.config import SERVER_BUDGET_LIMIT, Limits
 from ddtree.server.errors import APIError, invalid
 from ddtree.server.generation import COMPLETION_DEFAULT_MAX_TOKENS, Plan
-from ddtree.server.options import MAX_REQUEST_BYTES, MAX_SPECULATIVE_BUDGET, MAX_TOKENS_PER_REQUEST
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_request_bytes: int = MAX_REQUEST_BYTES
-    max_tokens_per_request: int = MAX_TOKENS_PER_REQUEST
-    max_speculative_budget: int = MAX_SPECULATIVE_BUDGET
 
 
 def too_large(limit: int) -> APIError:
@@ -86,13 +79,11 @@ def longest_token_chars(tokenizer) -> int | None:
 
 def check_plan(plan: Plan, context: int, token_chars: int | None, limits: Limits) -> None:
     """Raise the 400 for a request that cannot fit the context or asks for too much work."""
-    if isinstance(plan.budget, int) and plan.budget > limits.max_speculative_budget:
-        raise invalid(
-            f"speculative.budget {plan.budget} is over this server's limit of "
-            f"{limits.max_speculative_budget} tree nodes per round (--max-speculative-budget)",
-            "speculative.budget",
-            "budget_exceeds_server_limit",
-        )
+    if plan.options.budget is not None:
+        try:
+            check_budget(plan.options.budget, limits.max_speculative_budget, SERVER_BUDGET_LIMIT)
+        except DDTreeError as exc:
+            raise invalid(str(exc), "speculative.budget", "budget_exceeds_server_limit") from None
     chat = plan.messages is not None
     if chat:
         chars = sum(len(m["content"]) for m in plan.messages)

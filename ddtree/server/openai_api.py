@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Request
 
 from ddtree.errors import DDTreeError
-from ddtree.params import SamplingParams, StructuredOutputs, lossy_threshold_fields
+from ddtree.request.params import RequestOptions, SamplingParams, StructuredOutputs, lossy_threshold_fields
 from ddtree.server.body import LargeBodyRoute
 from ddtree.server.chat import message_dicts
 from ddtree.server.errors import APIError, invalid, unsupported
@@ -37,7 +37,6 @@ from ddtree.server.protocol import (
     ModelList,
     NamedToolChoice,
     ResponseFormat,
-    SpeculativeOptions,
     StructuredOutputsRequest,
 )
 from ddtree.server.responses import ChatAnswer, CompletionAnswer, MessageParsing
@@ -45,7 +44,7 @@ from ddtree.server.tool_parsers import named_schema, required_schema
 from ddtree.server.worker import Job, QueueFull, ShuttingDown
 
 if TYPE_CHECKING:
-    from ddtree.server.app import ServerConfig
+    from ddtree.server.config import ServerConfig
 
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 429, 503, 504)}
 # ``stream: true``: one server-sent event per chunk (its ``data`` a chunk object as JSON), then ``[DONE]``
@@ -85,9 +84,8 @@ async def create_completion(body: CompletionRequest, request: Request):
         max_tokens=body.max_tokens,
         n=n,
         prompts=_prompts(body.prompt),
-        cache_salt=body.cache_salt,
+        options=_options(body),
         skip_special_tokens=body.skip_special_tokens is not False,
-        **_speculative(body.speculative),
     )
     answer = CompletionAnswer(_name(request), _include_usage(body), body.logprobs is not None, n)
     return await _answer(request, plan, answer, bool(body.stream), start)
@@ -121,14 +119,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
         n=body.n or 1,
         messages=message_dicts(body.messages),
-        cache_salt=body.cache_salt,
+        options=_options(body),
         tools=tools or None,
         template_kwargs=body.chat_template_kwargs,
         skip_special_tokens=skip_special if body.skip_special_tokens is None else body.skip_special_tokens,
         grammar_after_reasoning=parsing is not None
         and parsing.reasoning is not None
         and not config.structured_outputs_in_reasoning,
-        **_speculative(body.speculative),
     )
     answer = ChatAnswer(_name(request), _include_usage(body), bool(body.logprobs), plan.n, parsing=parsing)
     return await _answer(request, plan, answer, bool(body.stream), start)
@@ -141,11 +138,15 @@ async def _answer(
     state = request.app.state.ddtree
     model = state.model()  # 503 while loading
     engine = model.engine
-    answer.thresholds = lossy_threshold_fields(engine.accept_threshold_single, engine.accept_threshold_acc)
+    answer.thresholds = lossy_threshold_fields(
+        engine.config.accept_threshold_single, engine.config.accept_threshold_acc
+    )
     metrics, config = state.metrics, state.config
     check_plan(plan, model.max_positions, state.token_chars, config.limits)
     if plan.params.structured_outputs is not None:  # compiled here (cached), never on the engine thread
-        from ddtree.grammar import CompilesFull  # xgrammar: loaded by the engine for this request anyway
+        from ddtree.request.grammar import (
+            CompilesFull,  # xgrammar: loaded by the engine for this request anyway
+        )
 
         try:
             await asyncio.to_thread(engine.check_structured_outputs, plan.params.structured_outputs)
@@ -157,8 +158,7 @@ async def _answer(
     # Chat template and tokenizer run here, in the event loop's thread pool: never on the engine thread.
     rows_id = uuid.uuid4().hex  # its engine rows are "<rows_id>-<choice>"
     generation = await asyncio.to_thread(Generation, model, plan, metrics, rows_id)
-    options = {"method": plan.method, "budget": plan.budget, "topk": plan.topk, "cache_salt": plan.cache_salt}
-    job = Job(generation.engine_rows(), generation.prompt_tokens, asyncio.get_running_loop(), **options)
+    job = Job(generation.engine_rows(), generation.prompt_tokens, asyncio.get_running_loop(), plan.options)
     try:
         state.worker.submit(job)
     except QueueFull:
@@ -315,12 +315,15 @@ def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str 
     return prompts
 
 
-def _speculative(option: bool | SpeculativeOptions | None) -> dict:
-    if option is None or option is True:
-        return {}
+def _options(body: GenerationRequest) -> RequestOptions:
+    """The request's ``speculative`` (false: plain decoding; true or unset: the server's defaults) and
+    ``cache_salt``, as the engine takes them."""
+    option, salt = body.speculative, body.cache_salt
     if option is False:
-        return {"method": "ar"}
-    return option.model_dump(exclude_none=True)
+        return RequestOptions(method="ar", cache_salt=salt)
+    if option is None or option is True:
+        return RequestOptions(cache_salt=salt)
+    return RequestOptions(option.method, option.budget, option.topk, salt)
 
 
 def _note_ignored(request: Request, body: GenerationRequest) -> None:

@@ -11,8 +11,9 @@ beyond OpenAI's API are marked as such: ``top_k``, ``min_p``, ``ignore_eos``, ``
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -25,15 +26,22 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from ddtree.params import (
-    LOGIT_BIAS_RANGE,
+from ddtree.errors import DDTreeError
+from ddtree.request.params import (
+    FREQUENCY_PENALTY,
+    LOGIT_BIAS,
+    LOGPROBS,
     MAX_BUDGET,
-    MAX_LOGPROBS,
-    MAX_TEMPERATURE,
-    MAX_TOP_K,
     METHODS,
-    PENALTY_RANGE,
-    REPETITION_PENALTY_RANGE,
+    MIN_P,
+    PRESENCE_PENALTY,
+    REPETITION_PENALTY,
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    Bound,
+    check_budget,
     lone_surrogate,
 )
 from ddtree.startup import Phase
@@ -46,14 +54,39 @@ MAX_TOOLS = 128  # as OpenAI
 MAX_LOGIT_BIAS = 1024  # tokens a request may bias
 MAX_BAD_WORDS = 128
 MAX_DRAFT_TOPK = 1 << 20
-INT64 = 1 << 63  # seeds: below 2**63, so seed + choice index stays in SamplingParams' range
+BOUND_ERROR = "bound"  # the pydantic error type of a value a ddtree.request.params rule refused
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 Method = Literal[METHODS]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 _T = TypeVar("_T")
 Batch = Annotated[list[_T], Field(max_length=MAX_PROMPTS)]
-Penalty = Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False)]
+
+
+def _rule(check, **schema: Any) -> tuple:
+    """Metadata that validates a value with ``check`` (a ``ddtree.request.params`` rule: its message is
+    the 400's) and writes ``schema`` (its bounds) into the OpenAPI document."""
+
+    def validate(value: _T) -> _T:
+        try:
+            check(value)
+        except DDTreeError as exc:
+            raise PydanticCustomError(BOUND_ERROR, "{message}", {"message": str(exc)}) from None
+        return value
+
+    return AfterValidator(validate), Field(json_schema_extra=schema)
+
+
+def _bounded(kind: type, bound: Bound) -> Any:
+    """``kind`` within ``bound``: the same values and the same message as ``SamplingParams``."""
+    return Annotated[kind, *_rule(bound.check, **bound.schema())]
+
+
+Budget = Annotated[int, *_rule(check_budget, minimum=1, maximum=MAX_BUDGET)]
+# The API's own spellings of two bounds: top_k -1 is off too (vLLM's); a seed stays below 2**63, so that
+# seed + choice index stays in SamplingParams' range.
+API_TOP_K = dataclasses.replace(TOP_K, lo=-1, note=" (-1 and 0 disable it)")
+API_SEED = dataclasses.replace(SEED, hi=1 << 63, text="[-2**63, 2**63)")
 
 
 def _token_id_keys(bias: dict[str, float]) -> dict[str, float]:
@@ -67,8 +100,9 @@ def _token_id_keys(bias: dict[str, float]) -> dict[str, float]:
     return bias
 
 
-BiasValue = Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1], allow_inf_nan=False)]
-LogitBias = Annotated[dict[str, BiasValue], Field(max_length=MAX_LOGIT_BIAS), AfterValidator(_token_id_keys)]
+LogitBias = Annotated[
+    dict[str, _bounded(float, LOGIT_BIAS)], Field(max_length=MAX_LOGIT_BIAS), AfterValidator(_token_id_keys)
+]
 
 
 class _Strict(BaseModel):
@@ -124,7 +158,7 @@ class SpeculativeOptions(_Strict):
     """Extension: how this request is decoded; unset fields keep the server's defaults."""
 
     method: Method | None = Field(None, description="ddtree (tree), dflash (linear chain) or ar (none)")
-    budget: Annotated[int, Field(ge=1, le=MAX_BUDGET)] | Literal["auto"] | None = Field(
+    budget: Budget | Literal["auto"] | None = Field(
         None, description="draft tree nodes per round, or 'auto' (chosen per round)"
     )
     topk: int | None = Field(None, ge=1, le=MAX_DRAFT_TOPK, description="cap on candidates per tree depth")
@@ -150,16 +184,16 @@ class GenerationRequest(_Body):
 
     model: str | None = Field(None, description="must name the served model; omitted = the served one")
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(
-        None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False, description="0 (or below 1e-5) = greedy decoding"
+    temperature: _bounded(float, TEMPERATURE) | None = Field(
+        None, description="0 (or below 1e-5) = greedy decoding"
     )
-    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    top_k: int | None = Field(
-        None, ge=-1, le=MAX_TOP_K, description="extension; 0 or -1 = off, above the vocabulary = off"
+    top_p: _bounded(float, TOP_P) | None = None
+    top_k: _bounded(int, API_TOP_K) | None = Field(
+        None, description="extension; 0 or -1 = off, above the vocabulary = off"
     )
-    min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False, description="extension; 0 = off")
+    min_p: _bounded(float, MIN_P) | None = Field(None, description="extension; 0 = off")
     n: int | None = Field(None, ge=1, le=MAX_N, description="independent choices; seeded ones use seed + i")
-    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    seed: _bounded(int, API_SEED) | None = None
     stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -167,17 +201,13 @@ class GenerationRequest(_Body):
     speculative: bool | SpeculativeOptions | None = Field(
         None, description="extension: false = plain decoding (method ar); an object picks method/budget/topk"
     )
-    frequency_penalty: Penalty | None = None
-    presence_penalty: Penalty | None = None
+    frequency_penalty: _bounded(float, FREQUENCY_PENALTY) | None = None
+    presence_penalty: _bounded(float, PRESENCE_PENALTY) | None = None
     logit_bias: LogitBias | None = Field(
         None, description="token id (as a string) -> logit added, in [-100, 100]"
     )
-    repetition_penalty: float | None = Field(
-        None,
-        ge=REPETITION_PENALTY_RANGE[0],
-        le=REPETITION_PENALTY_RANGE[1],
-        allow_inf_nan=False,
-        description="vLLM's extension: > 1 discourages seen tokens",
+    repetition_penalty: _bounded(float, REPETITION_PENALTY) | None = Field(
+        None, description="vLLM's extension: > 1 discourages seen tokens"
     )
     min_tokens: int | None = Field(
         None, ge=0, description="vLLM's extension: no EOS, stop token or stop string before this many tokens"
@@ -216,7 +246,7 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | Batch[str] | Batch[list[int]] = Field(
         description="text, token ids, or a batch of either (up to 16 prompts)"
     )
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top-N alternatives per token")
+    logprobs: _bounded(int, LOGPROBS) | None = Field(None, description="top-N alternatives per token")
     echo: bool | None = Field(None, description="only false is supported")
     suffix: str | None = Field(None, description="not supported")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="only equal to n is supported")
@@ -287,7 +317,9 @@ class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, description="preferred over max_tokens")
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true")
+    top_logprobs: _bounded(int, dataclasses.replace(LOGPROBS, name="top_logprobs")) | None = Field(
+        None, description="needs logprobs: true"
+    )
     response_format: ResponseFormat | None = None
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = Field(

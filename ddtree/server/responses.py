@@ -15,6 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from ddtree.request.stats import mean_acceptance_length
 from ddtree.server.generation import Piece, Started, TokenInfo
 from ddtree.server.protocol import (
     AssistantMessage,
@@ -46,7 +47,6 @@ from ddtree.server.tool_parsers import (
     ToolCallDelta,
     ToolCallStream,
 )
-from ddtree.stats import mean_acceptance_length
 
 
 @dataclass(frozen=True)

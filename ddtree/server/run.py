@@ -30,13 +30,10 @@ import uvicorn
 from uvicorn.config import LOGGING_CONFIG
 
 from ddtree.errors import DDTreeError
-from ddtree.models import check_model_dir
-from ddtree.server import limits
-from ddtree.server.app import ServerConfig, create_app
+from ddtree.model.loader import check_model_dir
+from ddtree.server.app import create_app
 from ddtree.server.auth import api_keys, open_access_warning
-from ddtree.server.options import DEFAULT_MODEL_NAME
-from ddtree.server.reasoning import REASONING_PARSERS
-from ddtree.server.tool_parsers import TOOL_CALL_PARSERS
+from ddtree.server.config import DEFAULT_MODEL_NAME, ServerConfig
 
 LOAD_DELAY_ENV = "DDTREE_TEST_LOAD_DELAY"  # test hook: seconds to sleep before loading (a slow disk)
 STEP_DELAY_ENV = (
@@ -165,41 +162,26 @@ def exit_process(code: int) -> NoReturn:
     sys.exit(code)
 
 
-def check_parser_flags(args: argparse.Namespace) -> None:
-    """Known parser names, and no auto tool choice without a parser to read the calls (vLLM's rule)."""
-    for flag, names in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
-        name = getattr(args, flag)
-        if name is not None and name not in names:
-            option = "--" + flag.replace("_", "-")
-            raise DDTreeError(f"unknown {option} {name!r}; choose one of {', '.join(names)}")
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise DDTreeError("--enable-auto-tool-choice needs --tool-call-parser")
-
-
 def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespace], object]) -> None:
-    """The ``serve`` command: checks the server's flags, binds, serves; raises DDTreeError for the CLI's
-    exit 2. The engine's flags are the caller's to check (``ddtree.cli.check_engine_flags``)."""
-    if not 0 <= args.port <= 65535:
-        raise DDTreeError(f"--port must be in [0, 65535], got {args.port}")
-    if args.max_queue < 0:
-        raise DDTreeError(f"--max-queue must be >= 0, got {args.max_queue}")
-    if not args.request_timeout > 0 or not args.shutdown_timeout >= 0:
-        raise DDTreeError("--request-timeout must be > 0 and --shutdown-timeout >= 0")
-    for flag in ("max_request_bytes", "max_tokens_per_request", "max_speculative_budget"):
-        if getattr(args, flag) < 1:
-            raise DDTreeError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    check_parser_flags(args)
+    """The ``serve`` command: checks the server's flags (``ServerConfig.from_args``), binds, serves; raises
+    DDTreeError for the CLI's exit 2. The engine's flags are the caller's to check
+    (``ddtree.cli.check_engine_flags``)."""
+    config = ServerConfig.from_args(
+        args,
+        model_name=args.model_name or (Path(args.target).name if args.target else DEFAULT_MODEL_NAME),
+        api_keys=api_keys(args.api_keys, os.environ),
+        step_delay=float(os.environ.get(STEP_DELAY_ENV, "0") or 0),
+        start_body_parser=True,
+    )
     signals = StopSignals()  # from here on a signal stops the server cleanly, whatever it is doing
-    keys = api_keys(args.api_key, os.environ)
     if args.target is not None:
         check_model_dir(args.target, "target")
     delay = float(os.environ.get(LOAD_DELAY_ENV, "0") or 0)
-    step_delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
 
-    sock = bind(args.host, args.port)
+    sock = bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
     print(f"ddtree serve: listening on http://{host}:{port} (pid {os.getpid()})", file=sys.stderr, flush=True)
-    warning = open_access_warning(host, port, keys)
+    warning = open_access_warning(host, port, config.api_keys)
     if warning:
         print(warning, file=sys.stderr, flush=True)
 
@@ -220,25 +202,8 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
         # /ready answers 503 a moment before the listener closes, so that health checks see why
         threading.Timer(FAILED_GRACE_SECONDS, setattr, (app.state.uvicorn, "should_exit", True)).start()
 
-    config = ServerConfig(
-        model_name=args.served_model_name or (Path(args.target).name if args.target else DEFAULT_MODEL_NAME),
-        max_queue=args.max_queue,
-        request_timeout=args.request_timeout,
-        api_keys=keys,
-        metrics_api_keys=tuple(args.metrics_api_key or ()),
-        allowed_origins=tuple(args.allowed_origins or ()),
-        limits=limits.Limits(
-            args.max_request_bytes, args.max_tokens_per_request, args.max_speculative_budget
-        ),
-        step_delay=step_delay,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
-        start_body_parser=True,
-    )
     app = create_app(load, config, on_load_failed=load_failed, on_engine_failed=engine_failed)
-    server = run_app(app, sock, args.shutdown_timeout, args.log_level, args.access_log, signals)
+    server = run_app(app, sock, config.shutdown_timeout, config.log_level, config.access_log, signals)
     if failures:
         raise DDTreeError(f"cannot serve: {failures[0]}")
     if died:
@@ -247,7 +212,7 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
     if server.cut:
         print(
             f"ddtree serve: {server.cut} request(s) did not finish within --shutdown-timeout "
-            f"{args.shutdown_timeout:g} s and ended with a shutting_down error",
+            f"{config.shutdown_timeout:g} s and ended with a shutting_down error",
             file=sys.stderr,
         )
         exit_process(EXIT_REQUESTS_CUT)

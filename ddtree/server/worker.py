@@ -32,6 +32,7 @@ import torch
 from ddtree import startup
 from ddtree.engine.step_channel import TensorParallelError
 from ddtree.errors import RequestFailed
+from ddtree.request.params import RequestOptions
 from ddtree.server.generation import EngineRow, RowDelta, ServedModel, Started
 from ddtree.server.metrics import Metrics
 
@@ -71,15 +72,12 @@ class Job:
         rows: list[EngineRow],
         prompt_tokens: int,
         loop: asyncio.AbstractEventLoop,
-        method: str | None = None,
-        budget: int | str | None = None,
-        topk: int | None = None,
-        cache_salt: str | None = None,
+        options: RequestOptions,
     ) -> None:
         self.rows = rows
         self.prompt_tokens = prompt_tokens
         self.loop = loop
-        self.options = {"method": method, "budget": budget, "topk": topk, "cache_salt": cache_salt}
+        self.options = options  # every row's: the request's method, budget, topk and cache_salt
         self.items: asyncio.Queue[object] = asyncio.Queue()
         self.enqueued_at = time.perf_counter()
         self.live: set[str] = set()  # its request ids still in the engine (engine thread only)
@@ -134,7 +132,7 @@ class EngineWorker:
     @property
     def capacity(self) -> int:
         """Requests that may be in the engine at once: a full batch running plus ``max_queue`` waiting."""
-        return self.engine.engine.max_batch_size + self.max_queue
+        return self.engine.engine.config.max_num_seqs + self.max_queue
 
     def submit(self, job: Job) -> None:
         """Hand ``job`` to the engine thread; raises QueueFull or ShuttingDown instead of waiting."""
@@ -236,7 +234,7 @@ class EngineWorker:
         engine.watch_ranks(self.fail)
         log.info(
             "engine ready (batches of up to %d requests, %d torch threads)",
-            engine.max_batch_size,
+            engine.config.max_num_seqs,
             torch.get_num_threads(),  # this thread's: the one that runs every forward
         )
         pool = engine.kv_cache_summary()
@@ -247,7 +245,7 @@ class EngineWorker:
             engine.blocks.block_size,
             pool["kv_cache_tokens"],
             engine.runner.kv_cache_bytes / (1 << 30),
-            engine.dtype,
+            engine.runner.dtype,
             pool["kv_cache_bytes_per_token"],
             pool["kv_cache_layout"],
             engine.max_model_len,
@@ -286,9 +284,18 @@ class EngineWorker:
 
     def _add(self, engine, job: Job) -> None:
         """Queue the job's rows in the engine (all or none); a request the engine refuses fails alone."""
+        o = job.options
         try:
             for row in job.rows:
-                engine.add_request(row.prompt_ids, row.params, request_id=row.request_id, **job.options)
+                engine.add_request(
+                    row.prompt_ids,
+                    row.params,
+                    request_id=row.request_id,
+                    method=o.method,
+                    budget=o.budget,
+                    topk=o.topk,
+                    cache_salt=o.cache_salt,
+                )
                 job.live.add(row.request_id)
         except Exception as exc:  # a 400 (or a bug) for this request only
             self._finish(job, error=exc, abort=True)
@@ -393,13 +400,14 @@ class EngineWorker:
 
 def log_compile(engine) -> None:
     """Once at start-up: how long a compiled engine took to compile its shapes (``/ready`` waited for it)."""
-    if not getattr(engine, "compiled", False):
+    shapes = engine.runner.shapes
+    if not shapes.compiled:
         return
     log.info(
         "engine compiled in %.1f s: batch buckets %s, node buckets %s, span buckets %s, attention %s",
         engine.warmup_seconds,
-        ",".join(map(str, engine.batch_buckets)),
-        ",".join(map(str, engine.node_buckets)),
-        ",".join(map(str, engine.span_buckets)),
-        engine.attention,
+        ",".join(map(str, shapes.batch_buckets)),
+        ",".join(map(str, shapes.node_buckets)),
+        ",".join(map(str, shapes.span_buckets)),
+        shapes.attention,
     )

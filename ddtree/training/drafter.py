@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ddtree.drafter import DFlashDrafter, dflash_config
 from ddtree.errors import DDTreeError
-from ddtree.models import eos_token_ids, load_target
+from ddtree.model.loader import eos_token_ids, load_target
+from ddtree.speculative.drafter import DFlashDrafter, dflash_config
 from ddtree.training.checkpoint import CHECKPOINT, SAVE_DTYPES, load_checkpoint, save_checkpoint
 from ddtree.training.configs import DrafterConfig
 from ddtree.training.distill import (
@@ -302,8 +302,8 @@ def evaluate_tau(
     """Greedy tau (tokens per target forward) of ``dflash`` and ``ddtree`` on ``prompts``, pooled over
     rounds, and whether both reproduced method ``ar`` token for token (they must: decoding is lossless)."""
     from ddtree.engine import Engine
-    from ddtree.params import METHODS, SamplingParams
-    from ddtree.stats import mean_acceptance_length
+    from ddtree.request.params import METHODS, SamplingParams
+    from ddtree.request.stats import mean_acceptance_length
 
     params = SamplingParams(max_new_tokens=new_tokens)
     result: dict = {"prompts": len(prompts), "new_tokens": new_tokens, "budget": budget}

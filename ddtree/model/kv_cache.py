@@ -103,10 +103,6 @@ class PagedKVCache:
             self.read_buffers[which] = buf
         return buf[:blocks]
 
-    def bytes_per_token(self) -> int:
-        """Bytes one token costs in this pool, all layers (MLA: layers x latent width x element size)."""
-        return self.num_layers * self.layout.elements_per_token() * self.dtype.itemsize
-
     @property
     def scratch(self) -> int:
         """The column padding writes to: the table's last entry, always the scratch block."""
@@ -144,7 +140,7 @@ class CacheWrite:
     cache: PagedKVCache
     tables: torch.Tensor  # [B, width + 1] int64
     cols: torch.Tensor  # [B, T] int64
-    span: int | None  # None: attention reads the pool itself (``ddtree.attention``'s flex backend)
+    span: int | None  # None: attention reads the pool itself (``ddtree.model.attention``'s flex backend)
 
     def __post_init__(self) -> None:
         self.slots = slots(self.tables, self.cols, self.cache.block_size)  # [B, T], shared by every layer

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ddtree.tree import PaddedTrees, TreeBatch, children_table
+from ddtree.speculative.tree import PaddedTrees, TreeBatch, children_table
 
 
 @dataclass

@@ -6,7 +6,7 @@ KV heads (column-parallel, by whole heads), the input columns of ``o_proj`` that
 (row-parallel), and a slice of the MLP's intermediate units (``gate_proj``/``up_proj`` column-parallel,
 ``down_proj`` row-parallel). A rank then computes attention for its heads alone, with a KV cache of its
 KV heads alone, and its share of the MLP; ``o_proj`` and ``down_proj`` each leave a partial sum of the
-full output, so ``ddtree.forward.TargetForward`` all-reduces after each: two all-reduces per layer, and
+full output, so ``ddtree.model.forward.TargetForward`` all-reduces after each: two all-reduces per layer, and
 the residual stream (embedding, norms, LM head: replicated) is the same on every rank.
 
 MLA (DeepSeek-V2/V3, Kimi K2) splits the same way by whole heads: ``q_b_proj`` (or ``q_proj``) and

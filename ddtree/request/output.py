@@ -10,18 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ddtree.detokenize import IncrementalDetokenizer
 from ddtree.errors import DDTreeError
-from ddtree.logprobs import TokenLogprobs
-from ddtree.params import SamplingParams
+from ddtree.request.detokenize import IncrementalDetokenizer
+from ddtree.request.logprobs import TokenLogprobs
+from ddtree.request.params import SamplingParams
 
 
 @dataclass
 class OutputState:
     """The tokens a request has produced so far, their text, and why it stopped, if it has.
 
-    The text grows incrementally (``ddtree.detokenize``) and stop strings are looked for only where new
-    text could complete one, so a round costs what its new tokens cost, however long the output.
+    The text grows incrementally (``ddtree.request.detokenize``) and stop strings are looked for only where
+    new text could complete one, so a round costs what its new tokens cost, however long the output.
     """
 
     params: SamplingParams

@@ -17,16 +17,18 @@ from transformers import (
 )
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-from ddtree import quantization
-from ddtree.checkpoint import materialize
-from ddtree.drafter import DFlashDrafter
 from ddtree.errors import DDTreeError
-from ddtree.params import DTYPE_CHOICES  # resolve_dtype takes vLLM's aliases too
-from ddtree.tensor_parallel import shard_target
+from ddtree.model import quantization
+from ddtree.model.checkpoint import materialize
+from ddtree.model.tensor_parallel import shard_target
+from ddtree.request.params import DTYPE_CHOICES  # resolve_dtype takes vLLM's aliases too
+from ddtree.speculative.dflash2 import DFlash2Drafter
+from ddtree.speculative.drafter import DFlashDrafter
 
 log = logging.getLogger(__name__)
 
-# Model types whose HF modules the engine's forward (ddtree.forward.TargetForward) runs exactly: GQA ones,
+# Model types whose HF modules the engine's forward (ddtree.model.forward.TargetForward) runs exactly: GQA
+# ones,
 # GLM-4 MoE (partial rotary, q/k norms, qkv bias), and the MLA family (DeepSeek-V2/V3; Kimi K2's configs say
 # kimi_k2, DeepSeek-V3's architecture; Kimi K2.5 / K2.6 are kimi_k25, a DeepSeek-V3 text backbone in a
 # multimodal wrapper of which ddtree loads the text part).
@@ -54,7 +56,7 @@ _DTYPES = {
     "fp32": torch.float32,
     "float": torch.float32,
 }
-ASSETS = Path(__file__).parent / "assets" / "default"
+ASSETS = Path(__file__).parents[1] / "assets" / "default"  # ddtree/assets
 DEFAULT_TARGET = ASSETS / "target"
 DEFAULT_DRAFTER = ASSETS / "drafter"
 
@@ -219,7 +221,7 @@ def load_target(
     runs its modules); ``trust_remote_code`` lets the tokenizer run the checkpoint's code.
 
     ``shard`` (rank, world size) loads one tensor-parallel rank's shard, reading only its slices
-    (``ddtree.checkpoint``); so does a quantized checkpoint at any size, dequantized at load. A float
+    (``ddtree.model.checkpoint``); so does a quantized checkpoint at any size, dequantized at load. A float
     checkpoint in one process goes through ``from_pretrained``."""
     directory = Path(directory)
     config = _read_config(directory, "target")
@@ -261,7 +263,7 @@ def load_target(
 
 def _load_slicewise(directory: Path, config: dict, hf_type: str, dtype, device, shard, scheme):
     """The target built on the meta device, sharded there (``shard``: rank, world size), then read slice
-    by slice into ``dtype`` (``ddtree.checkpoint.materialize``); the start-up log says what it read."""
+    by slice into ``dtype`` (``ddtree.model.checkpoint.materialize``); the start-up log says what it read."""
     fields = {k: v for k, v in config.items() if k not in ("model_type", "quantization_config")}
     if hf_type == "kimi_k25":
         fields["text_config"] = {k: v for k, v in fields["text_config"].items() if k != "quantization_config"}
@@ -321,16 +323,25 @@ def media_token_ids(target) -> frozenset[int]:
     return getattr(target, "media_token_ids", frozenset())
 
 
+# The drafter class of each public architecture name a drafter config.json may carry.
+DRAFTER_ARCHITECTURES = {"DFlashDraftModel": DFlashDrafter, "DFlash2DraftModel": DFlash2Drafter}
+
+
 def load_drafter(directory: str | Path, max_model_len: int | None = None) -> DFlashDrafter:
-    """A DFlash drafter; ``max_model_len`` as for load_target (a sliding window must cover it + a block)."""
+    """A DFlash or DFlash2 drafter (by the config's ``architectures``); ``max_model_len`` as for
+    load_target (a sliding window must cover it + a block)."""
     directory = Path(directory)
     config = _read_config(directory, "drafter")
-    if "DFlashDraftModel" not in (config.get("architectures") or []):
+    named = [
+        DRAFTER_ARCHITECTURES[a] for a in config.get("architectures") or [] if a in DRAFTER_ARCHITECTURES
+    ]
+    if not named:
         raise DDTreeError(
-            f"drafter {directory} is not a DFlash checkpoint (architectures must name DFlashDraftModel)"
+            f"drafter {directory} is not a DFlash checkpoint (architectures must name "
+            f"{' or '.join(DRAFTER_ARCHITECTURES)})"
         )
     check_drafter_attention(config, directory, max_model_len)
-    return DFlashDrafter.from_pretrained(directory)
+    return named[0].from_pretrained(directory)
 
 
 # A mask embedding row whose norm is below this share of a typical row's is "near zero": an untrained

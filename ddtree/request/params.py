@@ -12,19 +12,90 @@ from dataclasses import dataclass, field
 
 from ddtree.errors import DDTreeError
 
-MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5
-# What each sampling value may be (docs/inputs.md): the server's request models read these bounds, so a
-# value is refused where it enters and nothing that passes reaches the engine's float32 tensors as 0 or inf.
-MAX_TEMPERATURE = 1e6  # logits / T stay finite in float32; at T = 100 the law is already nearly uniform
-MAX_TOP_K = (1 << 31) - 1  # exact in float64 and int32; a top_k above the vocabulary keeps every token
-PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency, as OpenAI
-REPETITION_PENALTY_RANGE = (0.01, 100.0)  # it and its inverse scale logits: both stay finite in float32
-LOGIT_BIAS_RANGE = (-100.0, 100.0)  # as OpenAI
-SEED_RANGE = (-(1 << 63), 1 << 64)  # [lo, hi): what torch.Generator.manual_seed takes
 METHODS = ("ddtree", "dflash", "ar")
-AUTO = "auto"  # budget: chosen per round and row from expected tokens per second (ddtree.budget)
+AUTO = "auto"  # budget: chosen per round and row from expected tokens/second (ddtree.speculative.budget)
 MAX_BUDGET = 4096  # a larger tree only costs the verify forward (a round drafts at most its row's room)
+
+
+@dataclass(frozen=True)
+class Bound:
+    """What one value may be, with its one message: ``SamplingParams`` checks with it and the server's
+    request models validate with it (``ddtree.server.protocol``), so a library call and an HTTP request
+    refuse the same values in the same words."""
+
+    name: str
+    lo: float
+    hi: float
+    integer: bool = False
+    lo_open: bool = False
+    hi_open: bool = False
+    kind: str | None = None  # the message's "must be ..." (default: "an integer" or "a number")
+    text: str | None = None  # the range as the message writes it (default: [lo, hi] with its brackets)
+    note: str = ""  # after the range, e.g. " (0 disables it)"
+
+    def holds(self, value: object) -> bool:
+        if not (_is_int(value) if self.integer else _is_number(value)):
+            return False
+        above = value > self.lo if self.lo_open else value >= self.lo  # NaN fails every comparison
+        below = value < self.hi if self.hi_open else value <= self.hi
+        return above and below
+
+    def message(self, value: object) -> str:
+        kind = self.kind or ("an integer" if self.integer else "a number")
+        text = self.text or (
+            f"{'(' if self.lo_open else '['}{self.lo:{'d' if self.integer else 'g'}}, "
+            f"{self.hi:{'d' if self.integer else 'g'}}{')' if self.hi_open else ']'}"
+        )
+        return f"{self.name} must be {kind} in {text}{self.note}, got {value!r}"
+
+    def check(self, value: object) -> object:
+        """``value`` unchanged, or the DDTreeError that names the bound."""
+        if not self.holds(value):
+            raise DDTreeError(self.message(value))
+        return value
+
+    def schema(self) -> dict[str, float]:
+        """The bound as JSON schema keywords (the server's OpenAPI document)."""
+        lo = "exclusiveMinimum" if self.lo_open else "minimum"
+        hi = "exclusiveMaximum" if self.hi_open else "maximum"
+        return {lo: self.lo, hi: self.hi}
+
+
+# What each sampling value may be (docs/inputs.md), refused where it enters: nothing that passes reaches the
+# engine's float32 tensors as 0 or inf.
+MAX_LOGPROBS = 20
+LOGPROBS = Bound("logprobs", 0, MAX_LOGPROBS, integer=True)
+# logits / T stay finite in float32; at T = 100 the law is already nearly uniform
+TEMPERATURE = Bound("temperature", 0, 1e6)
+MAX_TEMPERATURE = TEMPERATURE.hi
+# exact in float64 and int32; a top_k above the vocabulary keeps every token
+TOP_K = Bound("top_k", 0, (1 << 31) - 1, integer=True, note=" (0 disables it)")
+MAX_TOP_K = TOP_K.hi
+TOP_P = Bound("top_p", 0.0, 1.0, lo_open=True)
+MIN_P = Bound("min_p", 0.0, 1.0)
+PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency, as OpenAI
+PRESENCE_PENALTY = Bound("presence_penalty", *PENALTY_RANGE)
+FREQUENCY_PENALTY = Bound("frequency_penalty", *PENALTY_RANGE)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # it and its inverse scale logits: both stay finite in float32
+REPETITION_PENALTY = Bound("repetition_penalty", *REPETITION_PENALTY_RANGE, kind="a finite number > 0")
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # as OpenAI
+LOGIT_BIAS = Bound("logit_bias values", *LOGIT_BIAS_RANGE, kind="finite,")
+SEED_RANGE = (-(1 << 63), 1 << 64)  # [lo, hi): what torch.Generator.manual_seed takes
+SEED = Bound("seed", *SEED_RANGE, integer=True, hi_open=True, text="[-2**63, 2**64)")
+
+
+def check_budget(budget: int | str, limit: int = MAX_BUDGET, why: str = "") -> int | str:
+    """The one budget rule: "auto", or an integer of tree nodes per round in [1, ``limit``]. A tighter
+    limit than MAX_BUDGET (a server's, the compiled node buckets') says where it comes from in ``why``."""
+    if budget == AUTO:
+        return budget
+    if not _is_int(budget) or budget < 1:
+        raise DDTreeError(f"budget must be an integer >= 1 or 'auto', got {budget!r}")
+    if budget > limit:
+        where = f" ({why})" if why else ""
+        raise DDTreeError(f"budget must be at most {limit} tree nodes per round{where}, got {budget}")
+    return budget
 
 
 def check_speculative_options(
@@ -34,13 +105,22 @@ def check_speculative_options(
     ``topk`` (candidates per depth, None = no cap) an integer >= 1; returns them unchanged."""
     if method not in METHODS:
         raise DDTreeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    if budget != AUTO and (not _is_int(budget) or budget < 1):
-        raise DDTreeError(f"budget must be an integer >= 1 or 'auto', got {budget!r}")
-    if budget != AUTO and budget > MAX_BUDGET:
-        raise DDTreeError(f"budget must be at most {MAX_BUDGET} tree nodes per round, got {budget}")
+    check_budget(budget)
     if topk is not None and (not _is_int(topk) or topk < 1):
         raise DDTreeError(f"topk must be an integer >= 1, got {topk!r}")
     return method, budget, topk
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """How the engine runs one request, beside its sampling: the speculative method and its tree options
+    (None: the engine's own) and the prefix-cache salt (requests with different salts share no block).
+    The server carries a request's options to the engine as this one value."""
+
+    method: str | None = None
+    budget: int | str | None = None
+    topk: int | None = None
+    cache_salt: str | None = None
 
 
 def parse_budget(text: str) -> int | str:
@@ -80,7 +160,8 @@ def memory_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")  # --dtype; ddtree.models.resolve_dtype reads them
+# --dtype; ddtree.model.loader.resolve_dtype reads them
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 
 
 def check_accept_thresholds(single: float, acc: float) -> tuple[float, float]:
@@ -174,11 +255,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; n >= 0 = the emitted token's logprob plus the top n
     detokenize: bool = True  # False: deltas carry token ids only (as vLLM's); the caller makes the text
-    structured_outputs: StructuredOutputs | None = None  # what the text must match (``ddtree.grammar``)
-    # Penalties and biases, as vLLM's (``ddtree.penalties``): presence and frequency count the output's
-    # tokens, repetition the prompt's too; logit_bias maps token ids to added logits (a dict is kept as
-    # sorted pairs); min_tokens holds back EOS, stop token ids and stop strings until that many tokens;
-    # bad_words are never completed.
+    structured_outputs: StructuredOutputs | None = None  # what the text must match (request.grammar)
+    # Penalties and biases, as vLLM's (``ddtree.request.penalties``): presence and frequency count the
+    # output's tokens, repetition the prompt's too; logit_bias maps token ids to added logits (a dict is
+    # kept as sorted pairs); min_tokens holds back EOS, stop token ids and stop strings until that many
+    # tokens; bad_words are never completed.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -189,26 +270,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _strings(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
-            raise DDTreeError(
-                f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}"
-            )
-        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
-            raise DDTreeError(
-                f"top_k must be an integer in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k!r}"
-            )
-        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
-            raise DDTreeError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
-            raise DDTreeError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for bound in (TEMPERATURE, TOP_K, TOP_P, MIN_P):
+            bound.check(getattr(self, bound.name))
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise DDTreeError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
-            raise DDTreeError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise DDTreeError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.seed is not None:
+            SEED.check(self.seed)
+        if self.logprobs is not None:
+            LOGPROBS.check(self.logprobs)
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise DDTreeError("stop strings must be non-empty strings")
         for i, text in enumerate(self.stop):
@@ -218,28 +287,17 @@ class SamplingParams:
         self._check_penalties()
 
     def _check_penalties(self) -> None:
-        lo, hi = PENALTY_RANGE
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _is_number(value) or not lo <= value <= hi:  # NaN fails both
-                raise DDTreeError(f"{name} must be a number in [{lo:g}, {hi:g}], got {value!r}")
-        rep, (lo, hi) = self.repetition_penalty, REPETITION_PENALTY_RANGE
-        if not _is_number(rep) or not lo <= rep <= hi:
-            raise DDTreeError(
-                f"repetition_penalty must be a finite number > 0 in [{lo:g}, {hi:g}], got {rep!r}"
-            )
-        bias, (lo, hi) = self.logit_bias, LOGIT_BIAS_RANGE
+        for bound in (PRESENCE_PENALTY, FREQUENCY_PENALTY, REPETITION_PENALTY):
+            bound.check(getattr(self, bound.name))
+        bias = self.logit_bias
         pairs = list(bias.items()) if isinstance(bias, dict) else list(bias)
         for pair in pairs:
             if not (isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and _is_number(pair[1])):
                 raise DDTreeError(f"logit_bias maps token ids to numbers, got {pair!r}")
             if pair[0] < 0:
                 raise DDTreeError(f"logit_bias keys must be token ids >= 0, got {pair[0]}")
-            if not lo <= pair[1] <= hi:
-                raise DDTreeError(
-                    f"logit_bias values must be finite, in [{lo:g}, {hi:g}], "
-                    f"got {pair[1]!r} for token {pair[0]}"
-                )
+            if not LOGIT_BIAS.holds(pair[1]):
+                raise DDTreeError(f"{LOGIT_BIAS.message(pair[1])} for token {pair[0]}")
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(v)) for t, v in pairs)))
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
             raise DDTreeError(
@@ -254,7 +312,7 @@ class SamplingParams:
 
     @property
     def penalised(self) -> bool:
-        """Whether any penalty or bias changes the target's logits (``ddtree.penalties``)."""
+        """Whether any penalty or bias changes the target's logits (``ddtree.request.penalties``)."""
         return bool(
             self.presence_penalty
             or self.frequency_penalty

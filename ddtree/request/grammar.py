@@ -40,10 +40,10 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-from ddtree.capture import upload
 from ddtree.errors import DDTreeError
-from ddtree.params import StructuredOutputs
-from ddtree.tree import ends_with
+from ddtree.model.capture import upload
+from ddtree.request.params import StructuredOutputs
+from ddtree.speculative.tree import ends_with
 
 COMPILE_SECONDS = 10.0
 COMPILE_PROCESSES = 4  # first compiles running at once, each in its own process
@@ -400,11 +400,6 @@ class GrammarState:
         self.mask_width = xgr.get_bitmask_shape(1, vocab_size)[1]  # W = ceil(V / 32) int32 words
         self.waiting_for = tuple(start_after)  # empty once the grammar holds
         self._tail: list[int] = []  # while waiting: the output's last len(waiting_for) - 1 tokens
-
-    @property
-    def terminated(self) -> bool:
-        """The grammar is complete and its stop token accepted: nothing may follow."""
-        return not self.waiting_for and self.matcher.is_terminated()
 
     def accept(self, tokens: Sequence[int]) -> None:
         """Advance past committed tokens (each was allowed by the mask it was chosen under)."""

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ddtree.params import SamplingParams, check_accept_thresholds
-from ddtree.tree import PaddedTrees, TreeBatch, children_table, top_k_rows
-from ddtree.verify import Accepted
+from ddtree.request.params import SamplingParams, check_accept_thresholds
+from ddtree.speculative.tree import PaddedTrees, TreeBatch, children_table, top_k_rows
+from ddtree.speculative.verify import Accepted
 
 
 @dataclass
@@ -212,7 +212,7 @@ def sample_tree_batch(
         rows = torch.arange(probs.shape[0], device=probs.device)
         full = probs.float()
         probs = lambda cur: full[rows, cur]  # noqa: E731
-    return _walk_tree(
+    return walk_tree(
         trees.children(), trees.tokens, probs, coins.float(), final_coins.float(), trees.depth + 1,
         threshold_single, threshold_acc,
     )  # fmt: skip
@@ -233,14 +233,14 @@ def sample_verdicts(
     lengths [B]; one graph per bucket when compiled."""
     rows = torch.arange(trees.tokens.shape[0], device=probs.device)
     full = probs.float()
-    accepted = _walk_tree(
+    accepted = walk_tree(
         children_table(trees.parents, trees.valid, branching), trees.tokens, lambda cur: full[rows, cur],
         coins.float(), final_coins.float(), depth + 1, threshold_single, threshold_acc,
     )  # fmt: skip
     return accepted.path, accepted.tokens, accepted.lengths
 
 
-def _walk_tree(
+def walk_tree(
     children: torch.Tensor,
     candidates: torch.Tensor,
     probs_at: Callable[[torch.Tensor], torch.Tensor],
@@ -249,15 +249,13 @@ def _walk_tree(
     steps: int,
     threshold_single: float,
     threshold_acc: float,
-    draft_probs: torch.Tensor | None = None,
 ) -> Accepted:
     """The rejection walk shared by both entry points: children [B, N, C] (-1 = none, sibling order),
     candidates [B, N] tokens, ``probs_at`` from the current nodes [B] to their target rows [B, V] (asked
-    once a step and once for the bonus), coins [B, N], final_coins [B]. ``draft_probs`` [B, N, V], when
-    given, records the rejected children's mass (the kernel's scratch) and is subtracted at the last node;
-    without it the last node's rejected children are removed directly (the same residual: q - q = 0)."""
+    once a step and once for the bonus), coins [B, N], final_coins [B]. The last node's rejected children
+    are removed from its row directly: the residual sgl_kernel draws from, q less their mass q."""
     threshold_single, threshold_acc = check_accept_thresholds(threshold_single, threshold_acc)
-    b, n = candidates.shape
+    b = candidates.shape[0]
     device = candidates.device
     acc_scale = max(threshold_acc, 1e-9)
     rows = torch.arange(b, device=device)
@@ -265,7 +263,6 @@ def _walk_tree(
     alive = torch.ones(b, dtype=torch.bool, device=device)
     path = torch.zeros(b, steps, dtype=torch.int64, device=device)
     lengths = torch.ones(b, dtype=torch.int64, device=device)
-    ranks = torch.arange(children.shape[2], device=device)
 
     def tried_children() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """At every row's current node: its target row [B, V], its children [B, C], whether each exists,
@@ -276,39 +273,26 @@ def _walk_tree(
         tokens = torch.where(has, candidates.gather(1, ch.clamp(min=0)), 0)  # [B, C]
         return q, ch, has, tokens, torch.where(has, q.gather(1, tokens), 0.0)  # p: [B, C] float32
 
-    cells, masses = [], []  # rejected children: their cells in draft_probs and their target mass
     for t in range(1, steps):
         _, ch, has, tokens, p = tried_children()
         running = p.double().cumsum(dim=1).float()  # [B, C]
         coin = coins.gather(1, cur[:, None])  # [B, 1]
-        hit = has & (p > 0) & ((coin < running / acc_scale) | (p >= threshold_single)) & alive[:, None]
+        # As sgl_kernel: p >= threshold_single alone accepts, so (0, 0) takes any first child, massless too
+        hit = has & (((p > 0) & (coin < running / acc_scale)) | (p >= threshold_single)) & alive[:, None]
         take = hit.any(dim=1)  # [B]
         first = hit.int().argmax(dim=1)  # [B] the accepted child's rank
-        if draft_probs is not None:  # children before the accepted one (all, when none is) were rejected
-            rejected = has & alive[:, None] & (ranks[None] < torch.where(take, first, ranks.numel())[:, None])
-            vocab = draft_probs.shape[-1]
-            cell = (rows[:, None] * n + cur[:, None]) * vocab + tokens  # [B, C] in draft_probs.view(-1)
-            cells.append(torch.where(rejected, cell, b * n * vocab))  # the rest: one slot past the end
-            masses.append(torch.where(rejected, p, 0.0))
         nxt = ch.gather(1, first[:, None])[:, 0]
         cur = torch.where(take, nxt, cur)
         path[:, t] = torch.where(take, nxt, 0)
         lengths += take
         alive = take
-    if cells:  # every (row, node, token) is rejected at most once: one scatter for the whole walk
-        scratch = torch.cat((draft_probs.view(-1), draft_probs.new_zeros(1)))
-        scratch.scatter_(0, torch.cat(cells, dim=1).view(-1), torch.cat(masses, dim=1).view(-1))
-        draft_probs.view(-1).copy_(scratch[:-1])
     # The bonus: the last node's row, less its rejected children unless the walk used every step.
     q, _, has, tokens, p = tried_children()
     vocab = q.shape[-1]
     stopped = lengths < steps  # [B]
-    if draft_probs is not None:
-        residual = torch.where(stopped[:, None], (q - draft_probs[rows, cur]).clamp_min(0.0), q)
-    else:
-        gone = torch.zeros(b, vocab + 1, dtype=torch.bool, device=device)
-        gone.scatter_(1, torch.where(has & stopped[:, None], tokens, vocab), True)
-        residual = torch.where(gone[:, :vocab], 0.0, q)
+    gone = torch.zeros(b, vocab + 1, dtype=torch.bool, device=device)
+    gone.scatter_(1, torch.where(has & stopped[:, None], tokens, vocab), True)
+    residual = torch.where(gone[:, :vocab], 0.0, q)
     bonus = inverse_cdf(residual, final_coins)  # [B], -1 if no mass is left
     # The fallback: the last rejected child with mass (the walk stopped there), else V - 1.
     with_mass = has & (p > 0) & stopped[:, None]

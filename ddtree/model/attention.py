@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from ddtree.errors import DDTreeError
-from ddtree.kv_cache import PagedKVCache
+from ddtree.model.kv_cache import PagedKVCache
 
 FLEX_Q_BLOCK = 128  # FlexAttention's query tile; a tree of up to 128 nodes is one tile
 FLEX_MAX_BLOCK_N = 64  # the widest key step a flex kernel takes here (torch's own defaults reach 64-128)

@@ -1,10 +1,10 @@
 """Slice-wise loading: a rank reads from the safetensors files only the tensors and slices it keeps.
 
 The model is built on the meta device (no weight allocated), sharded there by
-``ddtree.tensor_parallel.shard_target`` (each sliced parameter records ``tp_slice``, the part of the full
-tensor it keeps), and then every parameter is read: its ``tp_slice`` (or the whole tensor) straight from
+``ddtree.model.tensor_parallel.shard_target`` (each sliced parameter records ``tp_slice``, the part of the
+full tensor it keeps), and then every parameter is read: its ``tp_slice`` (or the whole tensor) straight from
 the files into ``dtype``, through safetensors' ``get_slice``, so a rank's peak host memory is about its
-shard plus one tensor. Quantized weights (``ddtree.quantization``) are dequantized on the way, only the
+shard plus one tensor. Quantized weights (``ddtree.model.quantization``) are dequantized on the way, only the
 blocks or groups the slice covers.
 
 Checkpoint names become the model's parameter names through transformers' own conversion mapping (the
@@ -34,8 +34,8 @@ from transformers.core_model_loading import (
     rename_source_key,
 )
 
-from ddtree import quantization
 from ddtree.errors import DDTreeError
+from ddtree.model import quantization
 
 log = logging.getLogger(__name__)
 

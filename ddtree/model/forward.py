@@ -2,7 +2,7 @@
 
 The engine owns this loop (as gpt-fast, vLLM and SGLang own theirs) because a batch of requests needs what
 HF's cache and mask plumbing does not give: each row writes its tokens into its own KV blocks and attends
-through a mask built once per round (``ddtree.attention``: SDPA or FlexAttention). Everything else
+through a mask built once per round (``ddtree.model.attention``: SDPA or FlexAttention). Everything else
 (projections, q/k norms, rotary tables, MLPs and MoE routers, norms) is the HF module itself, and the
 rotation is the HF model's own ``apply_rotary_pos_emb`` (GLM-4's rotates the first half of each head only;
 DeepSeek's rotates interleaved pairs), so Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral, GLM-4 MoE, DeepSeek-V2/V3
@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 from torch.overrides import TorchFunctionMode
 
-from ddtree.attention import attend, attend_latent, fold_heads
-from ddtree.kv_cache import CacheWrite, KVLayout
-from ddtree.tensor_parallel import TPGroup, is_mla
+from ddtree.model.attention import attend, attend_latent, fold_heads
+from ddtree.model.kv_cache import CacheWrite, KVLayout
+from ddtree.model.tensor_parallel import TPGroup, is_mla
 
 Rope = tuple[torch.Tensor, torch.Tensor] | torch.Tensor  # HF's (cos, sin) [B, T, D] each; DeepSeek-V2's freqs
 
@@ -70,7 +70,7 @@ class Float32Linear(TorchFunctionMode):
 class TargetForward:
     """``decoder(ids, positions, KV blocks/columns, mask) -> final hidden states (+ drafter features)``.
 
-    With ``tp`` (a target sharded by ``ddtree.tensor_parallel.shard_target``) it runs this rank's heads
+    With ``tp`` (a target sharded by ``ddtree.model.tensor_parallel.shard_target``) it runs this rank's heads
     and MLP slice (MoE: its routed experts and its slice of the shared ones), and sums the ranks' partial
     ``o_proj`` and MLP outputs (Megatron's two all-reduces a layer), so every rank carries the same
     residual stream and final hidden states."""

@@ -25,9 +25,9 @@ from torch.nn.attention.flex_attention import BlockMask
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from ddtree.attention import attend
 from ddtree.errors import DDTreeError
-from ddtree.kv_cache import CacheWrite
+from ddtree.model.attention import attend
+from ddtree.model.kv_cache import CacheWrite
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

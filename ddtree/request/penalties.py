@@ -18,20 +18,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
-from ddtree.capture import upload
 from ddtree.errors import DDTreeError
-from ddtree.params import SamplingParams
-from ddtree.tree import ends_with
-from ddtree.verify import ancestor_mask
+from ddtree.model.capture import upload
+from ddtree.request.params import SamplingParams
+from ddtree.speculative.tree import ends_with
+from ddtree.speculative.verify import ancestor_mask
 
 if TYPE_CHECKING:
-    from ddtree.engine.request import Request
-    from ddtree.tree import TreeBatch
+    from ddtree.request.output import OutputState
+    from ddtree.speculative.tree import TreeBatch
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,14 @@ class RequestPenalties:
         )
 
 
+class PenalizedRow(Protocol):
+    """What the penalties read of a running request (the engine's ``Request``): its resolved penalties
+    and the tokens it has output so far."""
+
+    penalties: RequestPenalties | None
+    output: OutputState
+
+
 def check_logit_bias(params: SamplingParams, vocab: int) -> None:
     """Every biased token is in the model's vocabulary (``vocab`` LM-head rows)."""
     for token, _ in params.logit_bias:
@@ -115,7 +123,9 @@ class NodePenalties:
     is a scatter over the tree's N columns, so nothing [G, N, V] is ever built beyond the logits asked
     for."""
 
-    def __init__(self, rows: Sequence[Request], trees: TreeBatch | None, vocab: int, device: torch.device):
+    def __init__(
+        self, rows: Sequence[PenalizedRow], trees: TreeBatch | None, vocab: int, device: torch.device
+    ):
         pens = [r.penalties for r in rows]
         g = len(rows)
         none = RequestPenalties(0.0, 0.0, 1.0, (), 0, (), ())
@@ -220,7 +230,10 @@ def _scatter_rows(lists: Sequence[Sequence[int]], vocab: int, device: torch.devi
 
 
 def _sequence_bans(
-    rows: Sequence[Request], pens: Sequence[RequestPenalties], trees: TreeBatch | None, device: torch.device
+    rows: Sequence[PenalizedRow],
+    pens: Sequence[RequestPenalties],
+    trees: TreeBatch | None,
+    device: torch.device,
 ) -> torch.Tensor | None:
     """[K, 3] int64 (row, node, token): at each node whose output + path ends with all but the last
     token of a multi-token bad word, that last token is banned (vLLM's rule). The trees of rows with such

@@ -53,6 +53,17 @@ def requests(new: int, largest: int = 16) -> list[tuple[str, SamplingParams, str
     ]
 
 
+def same_runs(a: list, b: list) -> bool:
+    """Two runs emitted the same tokens and logprob tokens; a logprob rounded to 4 decimals by kernels that
+    round differently may land one unit apart (-0.4707 / -0.4708 seen), never more."""
+    for (tokens_a, logprobs_a), (tokens_b, logprobs_b) in zip(a, b, strict=True):
+        if tokens_a != tokens_b or [t for t, _ in logprobs_a] != [t for t, _ in logprobs_b]:
+            return False
+        if any(abs(x - y) > 1.5e-4 for (_, x), (_, y) in zip(logprobs_a, logprobs_b, strict=True)):
+            return False
+    return True
+
+
 def run(engine: Engine, specs) -> list:
     """Decode the requests as one continuously batched run (more requests than rows: admissions mid-run)."""
     ids = [engine.add_request(p, sp, method=m, budget=b) for p, sp, m, b in specs]
@@ -152,7 +163,7 @@ def test_padded_rows_and_nodes_change_no_output(eager: Engine):
 
     padded.runner.verify_forward = spy
     specs = requests(new=40)
-    assert run(padded, specs) == run(eager, specs)
+    assert same_runs(run(padded, specs), run(eager, specs))
     assert {s[0] for s in shapes} <= {(b, n) for b in (3, 4) for n in (4, 7, 13, 17)}
     spans = {s[1] for s in shapes}
     assert spans <= {32, 48, padded.runner.cache.capacity} and len(spans) >= 2  # rows grew into wider spans
@@ -195,7 +206,7 @@ def test_compiled_rounds_never_recompile_and_match_eager(eager: Engine, compiled
     assert len(rounds) >= 50 and set(rounds) == {1, 2}
     assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled after the warm-up
     assert sum(counters["graph_break"].values()) == 0
-    assert got == run(eager, specs)
+    assert same_runs(got, run(eager, specs))
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
@@ -210,7 +221,7 @@ def test_a_compiled_decode_step_makes_the_same_few_eager_calls_whatever_the_budg
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     if sampled:
         params = SamplingParams(temperature=1.0, top_p=0.9, seed=0, max_new_tokens=40, ignore_eos=True)
-    accept = ("filter_graph", "sample_graph") if sampled else ("greedy_graph",)
+    accept = ("filter_graph", "keyed_graph") if sampled else ("greedy_graph",)
 
     def ops_per_step(engine: Engine, budget: int) -> tuple[float, OpCounter]:
         for prompt in PROMPTS[:2]:
@@ -245,7 +256,7 @@ def test_compiled_rounds_after_prefix_cache_hits_match_a_cold_eager_engine(eager
         got = run(compiled, specs)
     full = len(compiled.encode(system)) // 16 * 16 - 16  # the system prompt's full blocks, at least
     assert full >= 16 and compiled.blocks.hit_tokens - hits >= 3 * full  # two rows at a time: three hit
-    assert got == run(cold, specs)
+    assert same_runs(got, run(cold, specs))
 
 
 def test_stage_timing_is_opt_in(eager: Engine, monkeypatch):
@@ -350,4 +361,4 @@ def test_flex_attention_rounds_never_recompile_and_match_eager(eager: Engine, co
     assert counters["stats"]["unique_graphs"] == graphs
     assert sum(counters["graph_break"].values()) == 0
     assert compiled_flex.runner.shapes.block_masks  # the rounds went through the flex backend
-    assert got == run(eager, specs)
+    assert same_runs(got, run(eager, specs))

@@ -53,7 +53,9 @@ SPECS = [
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine.from_pretrained(max_batch_size=16)
+    # float32: a seeded row equals its solo run where the forwards agree to the bit (bfloat16's batched and
+    # solo forwards round differently enough to flip a sample now and then: docs/benchmarks.md)
+    return Engine.from_pretrained(max_batch_size=16, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")

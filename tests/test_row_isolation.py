@@ -13,6 +13,7 @@ import asyncio
 
 import httpx
 import pytest
+import torch
 
 from ddtree.engine import Engine
 from ddtree.request.params import SamplingParams
@@ -32,7 +33,8 @@ POISON = "def poison():"
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine.from_pretrained(max_batch_size=8, budget=16)
+    # float32: seeded companions equal their solo runs where the forwards agree to the bit (not bfloat16's)
+    return Engine.from_pretrained(max_batch_size=8, budget=16, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")

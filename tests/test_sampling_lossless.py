@@ -31,9 +31,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+import ddtree.engine.verifier as verifier_module
 from ddtree.engine import Engine
 from ddtree.engine.verifier import Verifier
 from ddtree.request.params import SamplingParams
+from ddtree.speculative import coins
 from ddtree.speculative.budget import CostModel, LinearCost
 from ddtree.speculative.drafter import DFlashDrafter, dflash_config
 
@@ -373,6 +375,16 @@ def test_biased_acceptance_fails_the_same_distribution_check(real_models, method
     _, chi2_p, g_p = sample_and_fit(
         real_models, method, "T=1", N_FAST, seed=0, threshold_acc=BIASED_ACCEPTANCE
     )
+    assert chi2_p < P_BROKEN and g_p < P_BROKEN, (chi2_p, g_p)
+
+
+def test_a_coin_reused_across_positions_fails_the_same_distribution_check(real_models, monkeypatch):
+    """The mutation of the position-keyed rule: every position of a request gets position 0's coin (the
+    tokens stay in the right marginals but become dependent), and the same check at the same sample
+    count rejects it."""
+    real = coins.coins_at
+    monkeypatch.setattr(verifier_module, "coins_at", lambda keys, positions: real(keys, positions * 0))
+    _, chi2_p, g_p = sample_and_fit(real_models, "ddtree", "T=1", N_FAST, seed=0)
     assert chi2_p < P_BROKEN and g_p < P_BROKEN, (chi2_p, g_p)
 
 

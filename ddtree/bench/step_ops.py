@@ -15,7 +15,15 @@ from collections.abc import Callable
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 
 FORWARDS = ("verify_forward", "draft_forward")
-ROUND_GRAPHS = ("tree_graph", "inputs_graph", "greedy_graph", "filter_graph", "sample_graph", "pack_graph")
+ROUND_GRAPHS = (
+    "tree_graph",
+    "inputs_graph",
+    "greedy_graph",
+    "filter_graph",
+    "keyed_graph",
+    "sample_graph",
+    "pack_graph",
+)
 
 
 class OpCounter(TorchDispatchMode):

@@ -291,4 +291,7 @@ class EngineCore:
         if b * n * vocab <= SAMPLE_ENTRIES:
             probs = self.verifier.padded_probs([SamplingParams(temperature=1.0)] * b, hidden)  # [Bp, Np, V]
             coins = torch.zeros(b, n, device=device)
-            self.verifier.sample_padded(padded, probs, coins, coins[:, 0].contiguous(), vocab)
+            if self.verifier.keyed:
+                shapes.keyed_graph(padded, probs, coins, shapes.tree_depth(n))
+            else:
+                self.verifier.sample_padded(padded, probs, coins, coins[:, 0].contiguous(), vocab)

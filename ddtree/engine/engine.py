@@ -51,6 +51,7 @@ from ddtree.request.output import OutputState
 from ddtree.request.params import AUTO, SamplingParams, StructuredOutputs, check_speculative_options
 from ddtree.request.penalties import RequestPenalties
 from ddtree.speculative.budget import CostModel
+from ddtree.speculative.coins import key_of
 from ddtree.speculative.drafter import DFlashDrafter
 
 log = logging.getLogger(__name__)
@@ -312,6 +313,7 @@ class Engine:
                     accept_thresholds=(self.config.accept_threshold_single, self.config.accept_threshold_acc),
                 ),
                 generator=torch.Generator(device=self.runner.device).manual_seed(seed),
+                key=key_of(seed),
                 auto_width=self.auto.start_width,
                 cache_salt=cache_salt,
                 grammar=grammar,

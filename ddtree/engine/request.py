@@ -162,7 +162,7 @@ class Request:
     topk: int | None
     output: OutputState
     stats: GenerationStats
-    generator: torch.Generator
+    generator: torch.Generator  # coins of SGLang's rule (lossy thresholds only)
     blocks: list[int] = field(default_factory=list)
     prefill_ids: list[int] = field(default_factory=list)
     computed: int = 0
@@ -177,6 +177,7 @@ class Request:
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks so far
     cached_blocks: int = 0  # of its blocks, those already indexed in the prefix cache (or examined)
     error: str | None = None  # why a step failed for this request alone (finish_reason "error")
+    key: int = 0  # its coins' key (``speculative.coins``): the seed's, or drawn at admission
     status: RequestStatus = RequestStatus.WAITING
 
     @property

@@ -20,7 +20,7 @@ from ddtree.model.attention import PagedBlockMask
 from ddtree.model.capture import StaticInputs, batch_ladder, check_buckets, compile_forward, node_ladder, pick
 from ddtree.model.kv_cache import PagedKVCache, pack_buffers
 from ddtree.request.params import check_budget
-from ddtree.speculative.sampling import sample_verdicts, sampled_probs
+from ddtree.speculative.sampling import keyed_verdicts, sample_verdicts, sampled_probs
 from ddtree.speculative.tree import beam_tree
 from ddtree.speculative.verify import greedy_verdicts, tree_inputs
 
@@ -48,7 +48,8 @@ class RoundShapes:
         self.attention = "sdpa"
         self.block_masks: dict[tuple[int, int, int], PagedBlockMask] = {}  # (pool, rows, queries) -> mask
         self.tree_graph, self.inputs_graph = beam_tree, tree_inputs
-        self.greedy_graph, self.sample_graph, self.pack_graph = greedy_verdicts, sample_verdicts, pack_buffers
+        self.greedy_graph, self.keyed_graph, self.pack_graph = greedy_verdicts, keyed_verdicts, pack_buffers
+        self.sample_graph = sample_verdicts  # SGLang's sibling-order rule: lossy thresholds only
         self.filter_graph = sampled_probs
 
     def setup(self, config: EngineConfig, deepest: int) -> int:
@@ -73,15 +74,18 @@ class RoundShapes:
             return 0
         if self.device.type != "cpu" or capture.COMPILE_ROUND_ON_CPU:
             rounds = len(self.batch_buckets) * len(self.node_buckets)
-            graphs = (beam_tree, tree_inputs, greedy_verdicts, sampled_probs, sample_verdicts, pack_buffers)
+            lossy = config.accept_threshold_single < 1 or config.accept_threshold_acc < 1
+            graphs = (beam_tree, tree_inputs, greedy_verdicts, sampled_probs, keyed_verdicts, pack_buffers)
             (
                 self.tree_graph,
                 self.inputs_graph,
                 self.greedy_graph,
                 self.filter_graph,
-                self.sample_graph,
+                self.keyed_graph,
                 self.pack_graph,
             ) = (compile_forward(fn, self.device, rounds, cuda_graphs=False) for fn in graphs)
+            if lossy:
+                self.sample_graph = compile_forward(sample_verdicts, self.device, rounds, cuda_graphs=False)
             self.round_compiled = True
         return len(self.batch_buckets) * len(self.node_buckets) * len(self.span_buckets)
 

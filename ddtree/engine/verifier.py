@@ -1,5 +1,7 @@
 """Checking the proposals: every row's tree as one verify batch, the target's LM heads over its hidden
-states, acceptance (the greedy walk, or tree rejection sampling with SGLang's contract), and the verdicts:
+states, acceptance (one walk: a node is accepted when its token is what the target emits at its parent,
+the argmax for greedy rows, the position-keyed sample for sampled ones; SGLang's sibling-order sampler
+for lossy thresholds), and the verdicts:
 the accepted nodes' KV packed and their drafter features kept on the device, the tokens brought to the host
 in one copy. ``Scheduler.update_from_output`` writes them into the requests.
 """
@@ -17,6 +19,7 @@ from ddtree.model.capture import upload
 from ddtree.request.logprobs import TokenLogprobs, token_logprobs
 from ddtree.request.params import SamplingParams
 from ddtree.request.penalties import NodePenalties
+from ddtree.speculative.coins import coins_at
 from ddtree.speculative.sampling import (
     GRAPH_TOP_K,
     SamplingTensors,
@@ -80,6 +83,9 @@ class Verifier:
         self.shapes = runner.shapes
         self.threshold_single = threshold_single  # SGLang's thresholds; below 1.0 acceptance is lossy
         self.threshold_acc = threshold_acc
+        # Lossless thresholds: sampled rows emit the target's position-keyed samples (``coins``); below
+        # them, SGLang's sibling-order sampler with each row's generator (its semantics, its coins).
+        self.keyed = threshold_single >= 1.0 and threshold_acc >= 1.0
 
     def first_tokens(self, logits: torch.Tensor, batch: list[Request]) -> list[int]:
         """The first token of each request, straight from the prefill logits [B, V]."""
@@ -97,9 +103,13 @@ class Verifier:
             device = logits.device
             sampling = SamplingTensors.from_params([batch[i].params for i in sampled], device)
             probs = filtered_probs(logits[sampled][:, None], sampling)[:, 0]  # [S, V]
-            coins = torch.stack(
-                [torch.rand((), generator=batch[i].generator, device=device) for i in sampled]
-            )  # [S]
+            if self.keyed:
+                keys, positions = key_positions([batch[i] for i in sampled], device)
+                coins = coins_at(keys, positions)  # [S]
+            else:
+                coins = torch.stack(
+                    [torch.rand((), generator=batch[i].generator, device=device) for i in sampled]
+                )  # [S]
             at = upload(np.asarray(sampled, dtype=np.int64), device)
             tokens = tokens.index_copy(0, at, inverse_cdf(probs, coins))
         return tokens.tolist()
@@ -158,9 +168,10 @@ class Verifier:
     def accept(
         self, rows: list[Request], trees: TreeBatch, hidden: torch.Tensor, padded: torch.Tensor | None = None
     ) -> Accepted:
-        """Every row's verdict on the device, from the final hidden states [B, N, H]: greedy rows by
-        matching each node against its parent's target argmax, sampled rows by tree rejection sampling
-        (each drawing its coins from its own generator, in the same order alone or in a batch).
+        """Every row's verdict on the device, from the final hidden states [B, N, H]: a node is accepted
+        when its token is what the target emits at its parent: the argmax for greedy rows, for sampled rows
+        the sample at the coin of that output position (``coins.coins_at``: the same coin alone, in a
+        batch, in any tree), or with lossy thresholds SGLang's tree rejection sampling.
 
         The LM head runs either over every node at once or, one depth at a time, over each row's current
         node only (``visit_nodes``); both give the same verdicts. With fixed shapes (``padded``: the
@@ -223,6 +234,10 @@ class Verifier:
         probs = self.padded_probs(params + params[:1] * (bp - b), hidden)  # [Bp, Np, V]
         if probs is None:
             return None
+        if self.keyed:
+            keys, positions = key_positions(rows, device, bp)
+            coins = coins_at(keys[:, None], positions[:, None] + p.depths)  # [Bp, Np]
+            return Accepted(*self.shapes.keyed_graph(p, probs, coins, self.shapes.tree_depth(n))).head(b)
         coins, finals = tree_coins(rows, trees.sizes, (bp, n), device)
         return Accepted(*self.sample_padded(p, probs, coins, finals, trees.branching)).head(b)
 
@@ -308,19 +323,26 @@ class Verifier:
         states: torch.Tensor,
         node: NodeLogits,
     ) -> Accepted:
-        """Tree rejection sampling of the rows ``group`` (their trees and hidden states [S, N, H]);
-        ``node`` turns the target's logits into the law plain decoding would sample from there."""
+        """Sampled verdicts of the rows ``group`` (their trees and hidden states [S, N, H]): the keyed walk,
+        or with lossy thresholds SGLang's tree rejection sampling; ``node`` turns the target's logits into
+        the law plain decoding would sample from there."""
         device = states.device
         head = self.runner.lm_head
         sampling = SamplingTensors.from_params([rows[i].params for i in group], device)
         g, n = trees.tokens.shape
+        at = torch.arange(g, device=device)
         if self.visit_nodes(g, n, trees.depth, g * n * head.weight.shape[0] > SAMPLE_ENTRIES):
-            at = torch.arange(states.shape[0], device=device)
             probs = lambda cur: filtered_probs(node(head(states[at, cur]), at, cur)[:, None], sampling)[:, 0]  # noqa: E731
         else:
             logits = head(states)  # [S, N, V]
             flat = node.flat(logits.view(-1, logits.shape[-1]), 0)
             probs = filtered_probs(flat.view(logits.shape), sampling)  # [S, N, V]
+        if self.keyed:
+            keys, positions = key_positions([rows[i] for i in group], device)
+            coins = coins_at(keys[:, None], positions[:, None] + trees.depths)  # [S, N]: a node's position
+            if callable(probs):
+                return walk_greedy(trees, lambda cur: inverse_cdf(probs(cur), coins[at, cur]))
+            return accept_greedy(trees, inverse_cdf(probs, coins))
         coins, finals = tree_coins([rows[i] for i in group], trees.sizes, trees.tokens.shape, device)
         return sample_tree_batch(trees, probs, coins, finals, self.threshold_single, self.threshold_acc)
 
@@ -371,12 +393,22 @@ class Verifier:
         return out
 
 
+def key_positions(rows: list[Request], device: torch.device, width: int = 0) -> tuple[torch.Tensor, ...]:
+    """The rows' keys and output lengths (the position their root's successor takes) [max(R, width)]
+    int64, padding rows 0, in one upload."""
+    host = np.zeros((2, max(len(rows), width)), dtype=np.int64)
+    host[0, : len(rows)] = [r.key for r in rows]
+    host[1, : len(rows)] = [len(r.output.token_ids) for r in rows]
+    both = upload(host, device)
+    return both[0], both[1]
+
+
 def tree_coins(
     rows: list[Request], sizes: np.ndarray, shape: tuple[int, int], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's coins for its tree's ``sizes[k]`` nodes, then its bonus coin, from its own generator (the
-    same draws alone, in a batch, padded or not): [R, N] and [R] float32 (``shape`` = R, N; rows past
-    ``rows`` and nodes past a tree: 0)."""
+    """SGLang's rule (lossy thresholds): each row's coins for its tree's ``sizes[k]`` nodes, then its bonus
+    coin, from its own generator (the same draws alone, in a batch, padded or not): [R, N] and [R]
+    float32 (``shape`` = R, N; rows past ``rows`` and nodes past a tree: 0)."""
     coins = torch.zeros(shape, dtype=torch.float32, device=device)
     finals = torch.zeros(shape[0], dtype=torch.float32, device=device)
     for k, r in enumerate(rows):

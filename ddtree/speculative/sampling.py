@@ -1,12 +1,16 @@
-"""Lossless sampling for tree verification: the target distribution and the tree rejection sampler.
+"""Lossless sampling for tree verification: the target distribution and the two acceptance rules.
 
-``sample_tree_batch`` keeps the contract of SGLang's sgl_kernel op ``tree_speculative_sampling_target_only``
-(whose one-tree PyTorch port is the tests' oracle, ``tests/oracles.py``), for every row at once on the
-device. With the default thresholds (1, 1) the emitted tokens are distributed exactly as sampling the
-target autoregressively: at each node the children are tried in
-sibling order with ONE coin against the running sum of their target probabilities (an inverse-CDF draw
-restricted to the drafted tokens), and when every child is rejected the bonus token is drawn from the
-target with the rejected tokens removed.
+The engine's rule (``keyed_verdicts``; the coins in ``ddtree.speculative.coins``): at every node the
+target's own sample at the coin of the output position the node predicts, and a node is accepted when its
+token is its parent's sample. Lossless by construction, and a seeded request emits what plain decoding
+emits with the same seed.
+
+SGLang's rule (``sample_tree_batch``, the contract of sgl_kernel's ``tree_speculative_sampling_target_only``;
+``ddtree.sglang`` has it under that signature): at each node the children are tried in sibling order with
+ONE coin against the running sum of their target probabilities (an inverse-CDF draw restricted to the
+drafted tokens), and when every child is rejected the bonus token is drawn from the target with the
+rejected tokens removed. Lossless at its default thresholds (1, 1), but the sample depends on the tree;
+the engine runs it only for lossy thresholds below 1, which are SGLang's semantics.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch.nn.functional as F
 
 from ddtree.request.params import SamplingParams, check_accept_thresholds
 from ddtree.speculative.tree import PaddedTrees, TreeBatch, children_table, top_k_rows
-from ddtree.speculative.verify import Accepted
+from ddtree.speculative.verify import Accepted, match_paths
 
 
 @dataclass
@@ -216,6 +220,18 @@ def sample_tree_batch(
         trees.children(), trees.tokens, probs, coins.float(), final_coins.float(), trees.depth + 1,
         threshold_single, threshold_acc,
     )  # fmt: skip
+
+
+def keyed_verdicts(
+    trees: PaddedTrees, probs: torch.Tensor, coins: torch.Tensor, depth: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Position-keyed acceptance of padded trees (``ddtree.speculative.coins``): at every node the
+    target's own sample, ``inverse_cdf`` of its distribution (``probs`` [B, N, V]) at the coin of the
+    output position it predicts (``coins`` [B, N]); a node is accepted when its token is its parent's
+    sample, as the greedy walk does with the argmax. Path, tokens [B, depth + 1], lengths [B]; one graph
+    per bucket when compiled."""
+    sampled = inverse_cdf(probs.float(), coins.float())  # [B, N]
+    return match_paths(trees.tokens, trees.depths, trees.parents, trees.valid, sampled, depth)
 
 
 def sample_verdicts(

@@ -166,3 +166,19 @@ def test_the_server_repeats_a_seeded_answer_alone_and_among_other_requests():
 
         texts = asyncio.run(run())
     assert len(set(texts)) == 1, texts
+
+
+def test_coins_are_uniform_independent_across_positions_and_the_same_compiled():
+    """2,000 keys x 2,000 positions: a chi-square over 64 bins passes, neighbouring positions and keys are
+    uncorrelated, every coin lies in [0, 1), and torch.compile computes the same bits."""
+    from scipy.stats import chisquare
+
+    keys = torch.tensor([coins.key_of(seed) for seed in range(-1000, 1000)])[:, None]  # negative seeds too
+    positions = torch.arange(2000)[None]
+    u = coins.coins_at(keys, positions)  # [2000, 2000]
+    assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    counts = torch.histc(u, bins=64, min=0.0, max=1.0).numpy()
+    assert chisquare(counts).pvalue > 1e-3
+    for a, b in ((u[:, :-1], u[:, 1:]), (u[:-1], u[1:])):
+        assert abs(float(torch.corrcoef(torch.stack((a.flatten(), b.flatten())))[0, 1])) < 0.01
+    assert torch.equal(torch.compile(coins.coins_at)(keys, positions), u)

@@ -82,7 +82,6 @@ class EngineConfig:
         help="SGLang's threshold_acc: accept when coin < (siblings' target mass) / A; LOSSY below 1.0",
     )  # fmt: skip
     auto_max_budget: int = 64  # budget "auto": the most drafted nodes a round may choose
-    sampling_aware_trees: bool = False  # sampled rows draft under their own sampling transform (did not pay)
     tensor_parallel_size: int = flag(
         1, "--tensor-parallel-size", "-tp", type=int, metavar="N",
         help="shard the target over N ranks (Megatron-style; gloo on CPUs, NCCL on GPUs 0..N-1); ddtree "

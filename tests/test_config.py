@@ -17,7 +17,6 @@ from tests.conftest import tiny_drafter, tiny_target
 
 NO_FLAG = {  # fields set from Python only, and why
     "auto_max_budget": "a tuning bound of budget 'auto', not a deployment choice",
-    "sampling_aware_trees": "an experiment that did not pay (docs/benchmarks.md)",
     "prefill_gap_rounds": "scheduling by measured time; tests switch it off for determinism",
     "fixed_shapes": "padding without compiling: tests and debugging; --compile implies it",
     "profile": "set by generate's --stats and by bench",

@@ -131,7 +131,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.runner.draft_block
         )
-        self.proposer = Proposer(self.runner, config.auto_max_budget, config.sampling_aware_trees)
+        self.proposer = Proposer(self.runner, config.auto_max_budget)
         self.verifier = Verifier(self.runner, config.accept_threshold_single, config.accept_threshold_acc)
         self.auto = AutoBudget(self.runner, self.scheduler, cost_model)
         self.runner.setup_shapes(config, deepest)

@@ -17,7 +17,6 @@ from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Request
 from ddtree.model.capture import upload
 from ddtree.request.penalties import NodePenalties
-from ddtree.speculative.sampling import SamplingTensors, filtered_probs
 from ddtree.speculative.tree import TreeBatch, TreeShape, TreeSpec, build_tree_batch, draft_candidates
 
 
@@ -34,13 +33,12 @@ class DraftSlot:
 class Proposer:
     """Drafter passes and trees over the model runner's drafter and drafter cache."""
 
-    def __init__(self, runner: ModelRunner, auto_max_budget: int, sampling_aware_trees: bool) -> None:
+    def __init__(self, runner: ModelRunner, auto_max_budget: int) -> None:
         self.runner = runner
         self.shapes = runner.shapes
         self.auto_max_budget = auto_max_budget
         # When on, sampled rows build their tree from the drafter's distribution under the request's own
         # sampling transform (verification is unchanged). Off by default: measured, it did not pay.
-        self.sampling_aware_trees = sampling_aware_trees
 
     def ingest(self, rows: list[Request], features: list[torch.Tensor]) -> None:
         """Give the drafter the prefilled chunks' target features ([T_i, F * H] per row, all consumed) now,
@@ -213,8 +211,6 @@ class Proposer:
             spec = TreeSpec(*(np.pad(x, (0, bp - b)) for x in (spec.budgets, spec.topks, spec.depths)))
         depth = shape.depths if shape is not None else max(self.depth(r) for r in drafting)
         logits = penalised_drafts(drafting, self.draft_logits(hidden, depth))  # [D, depth, V]
-        if self.sampling_aware_trees:
-            logits = self.sampling_aware(drafting, logits)
         logits = grammar_first_level(drafting, logits)
         vals, ids = draft_candidates(logits, k)  # [D, depth, K] each
         if len(drafting) < bp:  # rows that do not draft this round get candidates they never read
@@ -228,17 +224,6 @@ class Proposer:
         if shape is None:
             return build_tree_batch(vals, ids, roots_t, spec)
         return build_tree_batch(vals, ids, roots_t, spec, shape, shapes.tree_graph, rows=b)
-
-    def sampling_aware(self, drafting: list[Request], logits: torch.Tensor) -> torch.Tensor:
-        """Sampled rows draft from the drafter's distribution under their own sampling transform (-inf =
-        filtered out); verification is unchanged."""
-        sampled = [i for i, r in enumerate(drafting) if not r.params.greedy]
-        if not sampled:
-            return logits
-        sampling = SamplingTensors.from_params([drafting[i].params for i in sampled], logits.device)
-        logits = logits.clone()
-        logits[sampled] = filtered_probs(logits[sampled], sampling).log()  # [S, depth, V]
-        return logits
 
 
 def penalised_drafts(drafting: list[Request], logits: torch.Tensor) -> torch.Tensor:

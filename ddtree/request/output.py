@@ -14,6 +14,7 @@ from ddtree.errors import DDTreeError
 from ddtree.request.detokenize import IncrementalDetokenizer
 from ddtree.request.logprobs import TokenLogprobs
 from ddtree.request.params import SamplingParams
+from ddtree.request.text import overlap
 
 
 @dataclass
@@ -115,14 +116,6 @@ class OutputState:
         an end that may be the start of a stop string."""
         end = len(self._unsent)
         if self.finish_reason is None:
-            end -= max((_overlap(self._unsent, s) for s in self.params.stop), default=0)
+            end -= max((overlap(self._unsent, s) for s in self.params.stop), default=0)
         out, self._unsent = self._unsent[:end], self._unsent[end:]
         return out
-
-
-def _overlap(text: str, stop: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``stop``."""
-    for n in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:n]):
-            return n
-    return 0

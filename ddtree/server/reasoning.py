@@ -15,7 +15,8 @@ never leaks into either part. Light on purpose (no third-party import), like ``t
 
 from __future__ import annotations
 
-from ddtree.server.tool_parsers import KimiK2, overlap
+from ddtree.request.text import overlap
+from ddtree.server.tool_parsers import KimiK2
 
 THINK, END = "<think>", "</think>"
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "kimi_k2", "glm45")

@@ -20,6 +20,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from ddtree.request.text import overlap
+
 
 @dataclass
 class PartialCall:
@@ -49,14 +51,6 @@ class ToolCallDelta:
 
 def call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
-
-
-def overlap(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
 
 
 class Format:

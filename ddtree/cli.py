@@ -40,7 +40,7 @@ GENERATE_EXAMPLES = """examples:
   ddtree generate --prompt-file prompt.txt --target DIR --drafter DIR --budget 32
   ddtree generate "import os" --device cuda --compile --node-buckets 1,17 --stats"""
 SERVE_EXAMPLES = """example:
-  ddtree serve --port 8000 &
+  ddtree serve --port 8000 &                      # the built-in pair; ddtree serve DIR --drafter DIR: yours
   curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
       -d '{"prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0}'
   ddtree serve --device cuda --compile --max-batch-size 8 --batch-buckets 1,2,4,8   # compiled at start-up"""
@@ -85,10 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_options(gen)
     gen.add_argument("--stats", action="store_true",
                      help="print speculative-decoding stats, stage seconds included, to stderr")  # fmt: skip
+    gen.add_argument("--chat", action="store_true",
+                     help="the prompt is a user message: the target's chat template renders it, and only "
+                     "the answer is printed")  # fmt: skip
     gen.set_defaults(func=_generate)
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
                          description="Serve the engine over an OpenAI-compatible HTTP API.",
                          epilog=SERVE_EXAMPLES)  # fmt: skip
+    srv.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                     help="the target model directory (vLLM's positional model; as --target)")  # fmt: skip
+    srv.add_argument("--model", dest="model_flag", type=Path, default=None, metavar="DIR",
+                     help="the target model directory (as --target)")  # fmt: skip
+    srv.add_argument("--enforce-eager", action="store_true",
+                     help="vLLM's: no compiled graphs (the default; refused with --compile)")  # fmt: skip
     _add_engine_options(srv)
     add_engine_flags(srv, BATCH_FLAGS)
     add_server_options(srv)
@@ -99,6 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 GENERATE_BATCH_SIZE = 1  # ``generate`` runs one request: one row, and one batch shape to compile
+
+
+def resolve_serve_model(args: argparse.Namespace) -> None:
+    """``serve MODEL`` and ``--model DIR`` are ``--target DIR`` (vLLM's spellings); ``--enforce-eager``
+    is the uncompiled default, and contradicts ``--compile``."""
+    given = [Path(v) for v in (args.model_arg, args.model_flag, args.target) if v is not None]
+    if len(set(given)) > 1:
+        raise DDTreeError("give the target model once: as MODEL, --model or --target")
+    args.target = given[0] if given else None
+    if args.enforce_eager and args.compile:
+        raise DDTreeError("--enforce-eager and --compile contradict each other; give one")
 
 
 def check_engine_flags(args: argparse.Namespace):
@@ -195,8 +215,19 @@ def _stream(engine, prompt: str, params, args: argparse.Namespace) -> None:
 
     if engine.tokenizer is None:
         raise DDTreeError(f"target {args.target} has no tokenizer; text prompts need one")
-    deltas = engine.stream(prompt, params)  # validates the request before anything is printed
-    sys.stdout.write(prompt)
+    if getattr(args, "chat", False):
+        from ddtree.server.chat import render_chat
+        from ddtree.server.errors import APIError
+
+        try:
+            rendered = render_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
+        except APIError as exc:
+            raise DDTreeError(str(exc)) from None
+        # as the server: the rendered template has its special tokens already
+        deltas = engine.stream(engine.encode(rendered, add_special_tokens=False), params)
+    else:
+        deltas = engine.stream(prompt, params)  # validates the request before anything is printed
+        sys.stdout.write(prompt)
     delta = None
     for delta in deltas:
         sys.stdout.write(delta.text)
@@ -240,6 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)  # --help and argument errors end here, before any model code
         if args.command == "serve":  # stopped while it imports: a clean exit (serve's own handlers follow)
+            resolve_serve_model(args)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, _exit_cleanly)
         quiet_transformers()

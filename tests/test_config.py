@@ -26,7 +26,7 @@ LOAD = {"target", "drafter", "device", "dtype", "trust_remote_code", "threads"} 
 COMMAND_OWN = {  # what each engine-running command adds beside the engine and its loading
     "generate": {"prompt", "prompt_file", "temperature", "top_k", "top_p", "min_p", "seed", "max_new_tokens",
                  "stop", "stats", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens",
-                 "bad_word"},
+                 "bad_word", "chat"},
     "serve": None,  # the server's flags: ddtree.server.options
     "bench": None,  # the benchmark's grid: ddtree.bench.cli.add_bench_options
 }  # fmt: skip

@@ -201,9 +201,9 @@ def test_a_prefill_step_holds_at_most_max_num_batched_tokens_and_longer_prompts_
     prefill = engine.runner.prefill
     steps = []
 
-    def spy(chunks, tables, features):
+    def spy(chunks, tables, **options):
         steps.append([len(ids) for ids, _ in chunks])
-        return prefill(chunks, tables, features)
+        return prefill(chunks, tables, **options)
 
     engine.runner.prefill = spy
     results = {}

@@ -275,9 +275,9 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_rounds_of_running_stre
     e.step()  # a round: every stream has just had tokens
     prefill, chunks = e.runner.prefill, []
 
-    def spy(batch, tables, features):
+    def spy(batch, tables, **options):
         chunks.append(sum(len(ids) for ids, _ in batch))
-        return prefill(batch, tables, features)
+        return prefill(batch, tables, **options)
 
     e.runner.prefill = spy
     long_id = e.add_request(long_prompt, greedy)
@@ -286,6 +286,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_rounds_of_running_stre
         step += 1
         for d in e.step():
             if d.request_id == long_id:
+                assert d.error is None, d.error
                 got += d.token_ids
             elif d.token_ids:
                 worst, last[d.request_id] = max(worst, step - last[d.request_id]), step

@@ -94,7 +94,6 @@ BAD_REQUESTS = [
     (C, COMPLETION | {"speculative": {"budget": 4096}}, "speculative.budget", "budget_exceeds_server_limit"),
     (C, COMPLETION | {"max_tokens": 100}, "max_tokens", "context_length_exceeded"),
     (C, COMPLETION | {"max_tokens": 100, "stream": True}, "max_tokens", "context_length_exceeded"),
-    (C, COMPLETION | {"echo": True}, "echo", "unsupported_parameter"),
     (C, COMPLETION | {"presence_penalty": 2.5}, "presence_penalty", None),
     (C, COMPLETION | {"repetition_penalty": 0}, "repetition_penalty", None),
     (C, COMPLETION | {"logit_bias": {"a": 1.0}}, "logit_bias", None),
@@ -279,12 +278,15 @@ def test_structured_outputs_constrain_the_answer_and_equal_the_engines_constrain
         elif "regex" in extra.get("structured_outputs", {}):
             assert re.fullmatch("[a-c]{2}-[0-9]{3}", text)
         else:
-            value = json.loads(text)
+            # strict=False: xgrammar 0.2.9's maxLength strings admit control characters (its class is
+            # [^"\\\r\n]), which the random built-in pair writes once whitespace cannot fill its tokens
+            value = json.loads(text, strict=False)
             assert set(value) == {"name", "n"} and isinstance(value["n"], int)
     if path == C:  # the same tokens as the engine's own constrained decoding
         spec = extra["structured_outputs"]
-        structured = StructuredOutputs(
+        structured = StructuredOutputs(  # JSON as the server's default --disable-any-whitespace writes it
             json=StructuredOutputs.of_schema(spec["json"]).json if "json" in spec else None,
+            disable_any_whitespace="json" in spec,
             regex=spec.get("regex"),
             choice=tuple(spec["choice"]) if "choice" in spec else None,
         )

@@ -403,6 +403,8 @@ class Engine:
                 result.logprobs += delta.logprobs
                 result.finish_reason, result.stats = delta.finish_reason, delta.stats
                 result.error = delta.error
+                if delta.prompt_logprobs is not None:
+                    result.prompt_logprobs = delta.prompt_logprobs
             results.append(result)
         return results[0] if single else results
 

@@ -115,11 +115,12 @@ class ModelRunner:
 
     @replicated
     def prefill(
-        self, chunks: list[tuple[list[int], int]], tables: np.ndarray, features: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, chunks: list[tuple[list[int], int]], tables: np.ndarray, features: bool, scored: tuple = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
         """Prompt chunks (tokens, and the columns already cached before them) into the rows whose block
         tables are ``tables``, as one right-padded causal forward: the logits of each chunk's last position
-        [B, V] and, when ``features``, every position's drafter features [B, P, F * H]."""
+        [B, V], when ``features`` every position's drafter features [B, P, F * H], and the final hidden
+        states of every position [L_i, H] of the rows ``scored`` (prompt logprobs)."""
         b, device = len(chunks), self.device
         lengths = np.array([len(ids) for ids, _ in chunks])  # [B]
         offsets = np.array([offset for _, offset in chunks])[:, None]  # [B, 1]
@@ -145,9 +146,10 @@ class ModelRunner:
             # MLA expands keys/values from the latent here: many queries per row (``ddtree.model.forward``)
             hidden, feats = self.forward(ids_t, positions_t, write, mask, feature_layers, absorbed=False)
         if self.channel is not None and not self.channel.leader:
-            return None, None  # rank 0 alone reads the logits
+            return None, None, []  # rank 0 alone reads the logits
         last = upload(lengths - 1, device)
-        return self.lm_head(hidden[torch.arange(b, device=device), last]), feats  # [B, V], [B, P, F * H]
+        logits = self.lm_head(hidden[torch.arange(b, device=device), last])  # [B, V]
+        return logits, feats, [hidden[i, : lengths[i]] for i in scored]
 
     @replicated
     def verify(

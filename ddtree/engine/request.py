@@ -125,6 +125,7 @@ class GenerationResult:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # aligned with token_ids when requested
     request_id: str = ""
     error: str | None = None  # finish_reason "error": why this request failed (the others went on)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token (first: None), if asked
 
 
 @dataclass
@@ -138,6 +139,7 @@ class StreamDelta:
     stats: GenerationStats
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # aligned with token_ids when requested
     error: str | None = None  # finish_reason "error": why this request failed (the others went on)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # the prompt's, in the first delta, if asked
 
 
 @dataclass(eq=False)  # a request is itself: compared (and found in lists) by identity
@@ -178,6 +180,7 @@ class Request:
     cached_blocks: int = 0  # of its blocks, those already indexed in the prefix cache (or examined)
     error: str | None = None  # why a step failed for this request alone (finish_reason "error")
     key: int = 0  # its coins' key (``speculative.coins``): the seed's, or drawn at admission
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # the prompt's so far (prompt_logprobs)
     status: RequestStatus = RequestStatus.WAITING
 
     @property
@@ -211,3 +214,4 @@ class StepOutput:
     auto_widths: dict[int, int] = field(default_factory=dict)  # auto rows' chosen widths, by row index
     auto_skip: int | None = None  # plain rounds the auto rows now take (None: no new stretch)
     auto_status: AutoStatus | None = None  # the auto policy after this round, for its rows' stats
+    prompt_logprobs: list[list[TokenLogprobs] | None] | None = None  # a prefill: the chunk's prompt tokens

@@ -207,6 +207,8 @@ class Scheduler:
             r.stats.auto = out.auto_status
         if out.drafted_nodes is not None:
             r.stats.drafted_nodes.append(out.drafted_nodes[i])
+        if out.prompt_logprobs is not None and out.prompt_logprobs[i] is not None:
+            r.prompt_logprobs = (r.prompt_logprobs or []) + out.prompt_logprobs[i]
         if out.prefilled is not None:
             r.computed += out.prefilled[i]
             r.stats.prefill_seconds += out.seconds  # every chunk's step, not only the last one's
@@ -300,4 +302,5 @@ def delta_of(r: Request, before: int) -> StreamDelta:
         stats=r.stats,
         logprobs=r.output.logprobs[before:],
         error=r.error,
+        prompt_logprobs=r.prompt_logprobs if before == 0 else None,
     )

@@ -66,6 +66,7 @@ class Bound:
 # engine's float32 tensors as 0 or inf.
 MAX_LOGPROBS = 20
 LOGPROBS = Bound("logprobs", 0, MAX_LOGPROBS, integer=True)
+PROMPT_LOGPROBS = Bound("prompt_logprobs", 0, MAX_LOGPROBS, integer=True)
 # logits / T stay finite in float32; at T = 100 the law is already nearly uniform
 TEMPERATURE = Bound("temperature", 0, 1e6)
 MAX_TEMPERATURE = TEMPERATURE.hi
@@ -254,6 +255,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; n >= 0 = the emitted token's logprob plus the top n
+    # vLLM's prompt_logprobs: each prompt token's logprob under the target (the first has none) plus the
+    # top n, computed in the prefill; such a request prefills its whole prompt (no prefix-cache hit)
+    prompt_logprobs: int | None = None
     detokenize: bool = True  # False: deltas carry token ids only (as vLLM's); the caller makes the text
     structured_outputs: StructuredOutputs | None = None  # what the text must match (request.grammar)
     # Penalties and biases, as vLLM's (``ddtree.request.penalties``): presence and frequency count the
@@ -278,6 +282,8 @@ class SamplingParams:
             SEED.check(self.seed)
         if self.logprobs is not None:
             LOGPROBS.check(self.logprobs)
+        if self.prompt_logprobs is not None:
+            PROMPT_LOGPROBS.check(self.prompt_logprobs)
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise DDTreeError("stop strings must be non-empty strings")
         for i, text in enumerate(self.stop):

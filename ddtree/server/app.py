@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import time
 import uuid
 from collections.abc import Callable
@@ -22,16 +23,18 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ddtree.errors import DDTreeError
 from ddtree.request.params import SamplingParams
 from ddtree.server.auth import APIKeyMiddleware
 from ddtree.server.body import BodyParser
-from ddtree.server.config import ServerConfig
+from ddtree.server.config import ServerConfig, chat_template_text
 from ddtree.server.errors import APIError, error_body, install_error_handlers
 from ddtree.server.generation import ServedModel
 from ddtree.server.limits import BodySizeLimit, longest_token_chars
 from ddtree.server.metrics import Metrics, MetricsMiddleware
 from ddtree.server.openai_api import router as openai_router
 from ddtree.server.protocol import Health, NotReady
+from ddtree.server.responses_api import router as responses_router
 from ddtree.server.tokenize_api import router as tokenize_router
 from ddtree.server.tokens import TokenNames
 from ddtree.server.worker import EngineWorker
@@ -56,6 +59,11 @@ class ServerState:
     started_at: float = field(default_factory=time.time)
     token_chars: int | None = None  # the tokenizer's longest token in characters, once loaded
     ignored_fields_logged: set[str] = field(default_factory=set)  # request fields ignored, logged once
+    seeds: random.Random | None = None  # --seed: the seeds of requests that give none
+
+    def __post_init__(self) -> None:
+        if self.config.seed is not None:
+            self.seeds = random.Random(self.config.seed)
 
     def health(self) -> Health:
         return Health(
@@ -88,9 +96,31 @@ class ServerState:
         return self.worker.engine
 
 
-def load_model(engine_factory: Callable[[], object]) -> ServedModel:
+def load_model(engine_factory: Callable[[], object], config: ServerConfig | None = None) -> ServedModel:
+    """The engine ``engine_factory`` builds, with ``--tokenizer`` and ``--chat-template`` applied."""
     engine = engine_factory()
+    if config is not None and config.tokenizer is not None:
+        engine.tokenizer = load_tokenizer(config.tokenizer, engine.vocab_size, config.trust_remote_code)
+    if config is not None and config.chat_template is not None:
+        if engine.tokenizer is None:
+            raise DDTreeError("--chat-template needs a tokenizer; this target has none")
+        engine.tokenizer.chat_template = chat_template_text(config.chat_template)
     return ServedModel(engine, TokenNames(engine.tokenizer), engine.max_model_len)
+
+
+def load_tokenizer(directory: str, vocab_size: int, trust_remote_code: bool = False):
+    """``--tokenizer``: its ids must all be the target's."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise DDTreeError(f"cannot load --tokenizer {directory}: {exc}") from None
+    if len(tokenizer) > vocab_size:
+        raise DDTreeError(
+            f"--tokenizer {directory} has {len(tokenizer)} tokens, more than the target's {vocab_size}"
+        )
+    return tokenizer
 
 
 def warm_up(model: ServedModel) -> None:
@@ -110,7 +140,7 @@ def create_app(
     metrics = Metrics()
 
     def load() -> ServedModel:
-        model = load_model(engine_factory)
+        model = load_model(engine_factory, config)
         state.token_chars = longest_token_chars(model.engine.tokenizer)
         return model
 
@@ -155,6 +185,7 @@ def create_app(
         )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.include_router(openai_router)
+    app.include_router(responses_router)
     app.include_router(tokenize_router)
 
     @app.get("/health", response_model=Health, tags=["operations"])

@@ -15,8 +15,17 @@ A base model may continue with ``\\nUser:``; pass ``stop: ["\\nUser:"]`` to end 
 
 from __future__ import annotations
 
+import logging
+import re
+
 from ddtree.server.errors import invalid
 from ddtree.server.protocol import ChatMessage
+
+log = logging.getLogger("ddtree.server")
+# a message's fields a template may or may not read: given to one that mentions them, else dropped
+TEMPLATE_OPTIONAL = ("reasoning_content", "reasoning")
+IGNORED_MESSAGE_FIELDS = ("refusal", "audio", "annotations", "function_call")
+_logged: set[str] = set()  # the fields dropped so far, logged once per process
 
 ROLE_NAMES = {
     "system": "System",
@@ -33,6 +42,9 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            if "content" not in m.model_fields_set:  # omitted: OpenAI's missing parameter
+                param = f"messages[{i}].content"
+                raise invalid(f"{param} is required", param, "missing_required_parameter")
             raise invalid(
                 "content may be null only in an assistant message with tool_calls", f"messages[{i}].content"
             )
@@ -46,7 +58,33 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
         for key in ("name", "tool_call_id", "tool_calls"):
             if getattr(m, key) is not None:
                 entry[key] = getattr(m, key)
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None:  # both names, as the server returns them: a template reads either
+            entry["reasoning_content"] = entry["reasoning"] = reasoning
+        for key in IGNORED_MESSAGE_FIELDS:
+            if getattr(m, key) is not None:
+                _log_once(key, "the server does not use it")
         out.append(entry)
+    return out
+
+
+def _log_once(key: str, why: str) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        log.warning("ignoring the message field %r: %s (logged once)", key, why)
+
+
+def template_fields(template: object, messages: list[dict]) -> list[dict]:
+    """``messages`` without the optional fields (``TEMPLATE_OPTIONAL``) that ``template`` (its source; None
+    for the plain fallback) never mentions: each dropped field is logged once."""
+    source = template if isinstance(template, str) else str(template or "")
+    unread = [key for key in TEMPLATE_OPTIONAL if not re.search(rf"\b{key}\b", source)]
+    out = []
+    for m in messages:
+        dropped = [key for key in unread if key in m]
+        if len(dropped) == len(TEMPLATE_OPTIONAL):  # one of the two names is enough
+            _log_once("reasoning_content", "the chat template does not read it")
+        out.append({k: v for k, v in m.items() if k not in dropped})
     return out
 
 
@@ -77,7 +115,9 @@ def render_chat(
     reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or {}))
     if reserved:
         raise invalid(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
-    if not getattr(tokenizer, "chat_template", None):
+    template = getattr(tokenizer, "chat_template", None)
+    messages = template_fields(template, messages)
+    if not template:
         return plain_prompt(messages, add_generation_prompt)
     from jinja2 import TemplateError
 

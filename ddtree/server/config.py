@@ -11,7 +11,9 @@ Imports nothing heavy: building ``ddtree --help`` reads these fields.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import InitVar, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ddtree.config import field_flags, flag
@@ -124,6 +126,36 @@ class ServerConfig:
         help="with --reasoning-parser, constrain the reasoning too (vLLM's enable_in_reasoning); by default "
         "a request's structured output holds once the reasoning has ended",
     )  # fmt: skip
+    disable_any_whitespace: bool = flag(
+        True, "--disable-any-whitespace", action=argparse.BooleanOptionalAction,
+        help="JSON structured outputs (response_format, tool calls, structured_outputs.json) allow only "
+        "json.dumps' whitespace, so a model cannot spend its tokens on whitespace (vLLM's "
+        "disable_any_whitespace; a request's structured_outputs.disable_any_whitespace wins)",
+    )  # fmt: skip
+    # -- the model's defaults and template: vLLM's flags
+    tokenizer: str | None = flag(
+        None, "--tokenizer", metavar="DIR", help="a tokenizer directory to use instead of the target's"
+    )
+    chat_template: str | None = flag(
+        None, "--chat-template", metavar="FILE_OR_TEXT",
+        help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's",
+    )  # fmt: skip
+    generation_config: str = flag(
+        "auto", "--generation-config", metavar="auto|vllm|DIR",
+        help="default temperature, top_p, top_k, min_p and repetition_penalty of requests that leave them "
+        "out: auto reads the target's generation_config.json, DIR that directory's, vllm none (OpenAI's "
+        "defaults)",
+    )  # fmt: skip
+    seed: int | None = flag(
+        None, "--seed", type=int,
+        help="seed the server's sampling: requests without a seed get seeds drawn from it in arrival order",
+    )  # fmt: skip
+    disable_log_requests: bool = flag(
+        False, "--disable-log-requests", action="store_true",
+        help="accepted for vLLM's command lines; ddtree logs no request unless --access-log",
+    )  # fmt: skip
+    sampling_defaults: dict = field(default_factory=dict)  # read from --generation-config
+    trust_remote_code: bool = False  # for --tokenizer: the command's --trust-remote-code
     # -- hooks
     step_delay: float = 0.0  # a test hook: seconds the engine thread sleeps before each step
     start_body_parser: bool = False  # a large-body parse process starts with the app, not at the first one
@@ -147,6 +179,19 @@ class ServerConfig:
                 raise DDTreeError(f"unknown {name(f)} {value!r}; choose one of {', '.join(names)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:  # vLLM's rule
             raise DDTreeError(f"{name('enable_auto_tool_choice')} needs {name('tool_call_parser')}")
+        if self.seed is not None and not (_at_least(0, self.seed) and self.seed < 1 << 63):
+            raise DDTreeError(f"{name('seed')} must be in [0, 2**63), got {self.seed!r}")
+        if self.generation_config not in ("auto", "vllm") and not self.sampling_defaults:
+            defaults = read_generation_config(self.generation_config, name("generation_config"))
+            object.__setattr__(self, "sampling_defaults", defaults)
+        for f in ("tokenizer", "chat_template"):
+            value = getattr(self, f)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise DDTreeError(f"{name(f)} must be a non-empty path, got {value!r}")
+        if self.chat_template is not None:
+            chat_template_text(self.chat_template)  # a missing file fails here, before loading
+        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
+            raise DDTreeError(f"{name('tokenizer')} {self.tokenizer} is not a directory")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides) -> ServerConfig:
@@ -155,6 +200,43 @@ class ServerConfig:
         values = {f: getattr(args, f) for f in field_flags(cls) if getattr(args, f, None) is not None}
         values["limits"] = Limits(**{f: getattr(args, f) for f in field_flags(Limits)}, from_flags=True)
         return cls(**(values | overrides), from_flags=True)
+
+
+# the request defaults vLLM reads from generation_config.json
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def read_generation_config(directory: str, flag_name: str = "generation_config") -> dict:
+    """The request defaults a model directory's ``generation_config.json`` sets (``SAMPLING_DEFAULTS``, as
+    vLLM reads them); {} for a file that sets none."""
+    path = Path(directory) / "generation_config.json"
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise DDTreeError(f"cannot read {flag_name} {path}: {exc}") from None
+    if not isinstance(values, dict):
+        raise DDTreeError(f"{flag_name} {path} is not a JSON object")
+    out = {}
+    for key in SAMPLING_DEFAULTS:
+        value = values.get(key)
+        if value is not None:
+            if not _number(value):
+                raise DDTreeError(f"{flag_name} {path}: {key} must be a number, got {value!r}")
+            out[key] = value
+    return out
+
+
+def chat_template_text(value: str) -> str:
+    """``--chat-template``: a file's text, or the template itself (vLLM's rule: text with Jinja markup)."""
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DDTreeError(f"cannot read --chat-template {value}: {exc}") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise DDTreeError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
 def _number(value: Any) -> bool:

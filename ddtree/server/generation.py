@@ -53,6 +53,8 @@ class Plan:
     template_kwargs: dict | None = None  # chat: the request's chat_template_kwargs
     skip_special_tokens: bool = True  # False: the text keeps them (a tool parser's markers may be special)
     grammar_after_reasoning: bool = False  # chat: structured outputs hold once the parsed reasoning ends
+    echo: bool = False  # completions: the prompt's text (and its logprobs, when asked) before the answer
+    prompt_logprobs: int | None = None  # completions: vLLM's prompt_logprobs (its top N)
 
 
 @dataclass
@@ -66,8 +68,10 @@ class Started:
 class TokenInfo:
     token: str
     bytes: list[int]
-    logprob: float
-    top: list[tuple[str, list[int], float]]
+    logprob: float | None  # None: a prompt's first token, which nothing predicts
+    top: list[tuple[str, list[int], float]] | None
+    token_id: int = -1
+    top_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -81,6 +85,7 @@ class Piece:
     logprobs: list[TokenInfo] = field(default_factory=list)
     stats: SpeculativeStats | None = None
     cached_tokens: int = 0  # of the row's prompt, tokens the prefix cache held at admission
+    prompt_logprobs: list[TokenInfo] | None = None  # the first piece of a row that scored its prompt
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,7 @@ class Choice:
     index: int
     prompt_ids: list[int]
     params: SamplingParams
+    echo: str = ""  # the text the answer starts with (``echo``: the prompt's)
 
 
 def plan_choices(model: ServedModel, plan: Plan) -> list[Choice]:
@@ -121,7 +127,10 @@ def plan_choices(model: ServedModel, plan: Plan) -> list[Choice]:
         for j in range(plan.n):
             index = i * plan.n + j
             seed = None if params.seed is None else params.seed + index
-            choices.append(Choice(index, prompt_ids, replace(params, max_new_tokens=max_new, seed=seed)))
+            echo = _echo_text(engine, prompt, prompt_ids) if plan.echo else ""
+            choices.append(
+                Choice(index, prompt_ids, replace(params, max_new_tokens=max_new, seed=seed), echo)
+            )
     return choices
 
 
@@ -152,6 +161,7 @@ class _Row:
     rounds: int = 0
     last_at: float | None = None  # when its latest delta came (inter-token latency)
     finished: bool = False
+    started: bool = False  # its first piece is out
 
 
 class Generation:
@@ -214,6 +224,19 @@ class Generation:
             _stats(row.stats, row.rounds) if finish is not None else None,
             row.stats.cached_tokens,
         )
+        if not row.started:  # the row's first piece: what the answer starts with
+            row.started = True
+            piece.text = self.choices[row.index].echo + piece.text
+            if delta.prompt_logprobs is not None:
+                names, first = self.model.names, self.choices[row.index].prompt_ids[0]
+                scored = [
+                    _token_info(names, lp) if lp is not None else _unscored(names, first)
+                    for lp in delta.prompt_logprobs
+                ]  # the engine scored the larger of the two top-Ns asked for
+                if self.plan.echo and want_logprobs:
+                    piece.logprobs = [_top(i, self.plan.params.logprobs) for i in scored] + piece.logprobs
+                if self.plan.prompt_logprobs is not None:
+                    piece.prompt_logprobs = [_top(i, self.plan.prompt_logprobs) for i in scored]
         if finish is not None:
             self._close(row)
         return piece
@@ -230,6 +253,13 @@ class Generation:
             lengths = row.stats.acceptance_lengths[: row.rounds]
             drafted = sum(row.stats.drafted_nodes[: row.rounds])
             self.metrics.record_generation(row.stats.method, lengths, row.tokens, drafted)
+
+
+def _echo_text(engine, prompt: str | list[int], prompt_ids: list[int]) -> str:
+    """The prompt as ``echo`` returns it: its text, or its token ids decoded (special tokens kept)."""
+    if isinstance(prompt, str):
+        return prompt
+    return engine.tokenizer.decode(prompt_ids) if engine.tokenizer is not None else ""
 
 
 def _encode(engine, prompt: str | list[int], param: str, add_special_tokens: bool) -> list[int]:
@@ -267,7 +297,19 @@ def _token_info(names: TokenNames, lp) -> TokenInfo:
     for t, value in lp.top:
         s, b = names.lookup(t)
         top.append((s, b, _finite(value)))
-    return TokenInfo(token, raw, _finite(lp.logprob), top)
+    return TokenInfo(token, raw, _finite(lp.logprob), top, lp.token, tuple(t for t, _ in lp.top))
+
+
+def _top(info: TokenInfo, n: int) -> TokenInfo:
+    if info.top is None:
+        return info
+    return replace(info, top=info.top[:n], top_ids=info.top_ids[:n])
+
+
+def _unscored(names: TokenNames, token_id: int) -> TokenInfo:
+    """A prompt's first token: nothing before it predicts it."""
+    token, raw = names.lookup(token_id)
+    return TokenInfo(token, raw, None, None, token_id)
 
 
 def _finite(value: float) -> float:

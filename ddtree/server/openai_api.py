@@ -32,12 +32,15 @@ from ddtree.server.protocol import (
     Completion,
     CompletionRequest,
     ErrorResponse,
+    FunctionName,
     GenerationRequest,
     ModelCard,
     ModelList,
     NamedToolChoice,
     ResponseFormat,
     StructuredOutputsRequest,
+    ThinkingOption,
+    ToolChoice,
 )
 from ddtree.server.responses import ChatAnswer, CompletionAnswer, MessageParsing
 from ddtree.server.tool_parsers import named_schema, required_schema
@@ -72,23 +75,26 @@ async def create_completion(body: CompletionRequest, request: Request):
     start = time.perf_counter()
     check_model(request, body.model)
     _note_ignored(request, body)
-    if body.echo:
-        raise unsupported("echo")
     if body.suffix is not None:
         raise unsupported("suffix")
     n = body.n or 1
     if body.best_of is not None and body.best_of != n:
         raise unsupported("best_of")
+    params = _sampling_params(request, body, body.logprobs)
+    # scored in the prefill: echo's logprobs and vLLM's prompt_logprobs, the larger top-N of the two
+    scores = [n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None]
     plan = Plan(
-        params=_sampling_params(body, body.logprobs),
+        params=replace(params, prompt_logprobs=max(scores)) if scores else params,
         max_tokens=body.max_tokens,
         n=n,
         prompts=_prompts(body.prompt),
         options=_options(body),
         skip_special_tokens=body.skip_special_tokens is not False,
+        echo=bool(body.echo),
+        prompt_logprobs=body.prompt_logprobs,
     )
     answer = CompletionAnswer(_name(request), _include_usage(body), body.logprobs is not None, n)
-    return await _answer(request, plan, answer, bool(body.stream), start)
+    return await answer_plan(request, plan, answer, bool(body.stream), start)
 
 
 @router.post("/chat/completions", response_model=ChatCompletion, responses=ERRORS | STREAMED)
@@ -97,13 +103,21 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     start = time.perf_counter()
     check_model(request, body.model)
     _note_ignored(request, body)
+    plan, parsing = chat_plan(request, body)
+    answer = ChatAnswer(_name(request), _include_usage(body), bool(body.logprobs), plan.n, parsing=parsing)
+    return await answer_plan(request, plan, answer, bool(body.stream), start)
+
+
+def chat_plan(request: Request, body: ChatCompletionRequest) -> tuple[Plan, MessageParsing | None]:
+    """A chat request as the engine's plan and how its answers are read (the Responses API's too)."""
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
+    tools, choice = _tools(body)
     config = request.app.state.ddtree.config
-    parsing, tool_grammar = _message_parsing(config, body, tools)
-    params = _sampling_params(body, logprobs, body.response_format)
+    template_kwargs = _template_kwargs(body)
+    parsing, tool_grammar = _message_parsing(config, body, tools, choice, template_kwargs)
+    params = _sampling_params(request, body, logprobs, body.response_format)
     if tool_grammar is not None:
         if params.structured_outputs is not None:
             raise invalid(
@@ -121,17 +135,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         messages=message_dicts(body.messages),
         options=_options(body),
         tools=tools or None,
-        template_kwargs=body.chat_template_kwargs,
+        template_kwargs=template_kwargs,
         skip_special_tokens=skip_special if body.skip_special_tokens is None else body.skip_special_tokens,
         grammar_after_reasoning=parsing is not None
         and parsing.reasoning is not None
         and not config.structured_outputs_in_reasoning,
     )
-    answer = ChatAnswer(_name(request), _include_usage(body), bool(body.logprobs), plan.n, parsing=parsing)
-    return await _answer(request, plan, answer, bool(body.stream), start)
+    return plan, parsing
 
 
-async def _answer(
+async def answer_plan(
     request: Request, plan: Plan, answer: CompletionAnswer | ChatAnswer, stream: bool, start: float
 ):
     """Queue the plan, wait for the engine's verdict on it, then answer whole or as a stream."""
@@ -200,27 +213,42 @@ async def _answer(
 
 
 def _sampling_params(
-    body: GenerationRequest, logprobs: int | None, response_format: ResponseFormat | None = None
+    request: Request,
+    body: GenerationRequest,
+    logprobs: int | None,
+    response_format: ResponseFormat | None = None,
 ) -> SamplingParams:
-    """OpenAI's defaults (temperature 1, top_p 1); raises DDTreeError (a 400) on a bad combination."""
+    """The request's sampling; what it leaves out is the model's default (``--generation-config``) or
+    OpenAI's (temperature 1, top_p 1); no seed is one drawn from ``--seed`` when given. Raises DDTreeError
+    (a 400) on a bad combination."""
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
-    temperature = 1.0 if body.temperature is None else body.temperature
+    state = request.app.state.ddtree
+    defaults = state.config.sampling_defaults
+
+    def value(name: str, openai_default: float) -> float:
+        given = getattr(body, name)
+        return given if given is not None else defaults.get(name, openai_default)
+
+    seed = body.seed
+    if seed is None and state.seeds is not None:
+        seed = state.seeds.randrange(1 << 62)
     stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else []
+    compact = state.config.disable_any_whitespace
     return SamplingParams(
-        temperature=temperature,
-        top_k=max(body.top_k or 0, 0),
-        top_p=1.0 if body.top_p is None else body.top_p,
-        min_p=body.min_p or 0.0,
-        seed=body.seed,
+        temperature=value("temperature", 1.0),
+        top_k=max(int(value("top_k", 0)), 0),
+        top_p=value("top_p", 1.0),
+        min_p=value("min_p", 0.0),
+        seed=seed,
         max_new_tokens=max(1, body.min_tokens or 0),  # set for real once the prompt's length is known
         stop=tuple(stop),
         ignore_eos=bool(body.ignore_eos),
         logprobs=logprobs,
-        structured_outputs=_structured_outputs(body.structured_outputs, response_format),
+        structured_outputs=_structured_outputs(body.structured_outputs, response_format, compact),
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        repetition_penalty=value("repetition_penalty", 1.0),
         logit_bias=_logit_bias(body.logit_bias),
         min_tokens=body.min_tokens or 0,
         bad_words=tuple(body.bad_words or ()),
@@ -237,41 +265,86 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
+JSON_OBJECT = {"type": "object"}  # json_object: OpenAI's "a JSON object", never an array or a number
+
+
 def _structured_outputs(
-    request: StructuredOutputsRequest | None, response_format: ResponseFormat | None
+    request: StructuredOutputsRequest | None, response_format: ResponseFormat | None, compact: bool = True
 ) -> StructuredOutputs | None:
     """The constraint asked for by vLLM's ``structured_outputs`` or OpenAI's ``response_format`` (not
-    both); its grammar is compiled before the request is queued (``_answer``)."""
+    both); its grammar is compiled before the request is queued (``answer_plan``). JSON allows only
+    json.dumps' whitespace when ``compact`` (``--disable-any-whitespace``), unless the request says
+    otherwise."""
     fmt = None if response_format is None or response_format.type == "text" else response_format
     if request is not None and fmt is not None:
         raise invalid("give structured_outputs or response_format, not both", "response_format")
     if fmt is not None and fmt.type == "json_object":
-        return StructuredOutputs(json_object=True)
+        return StructuredOutputs.of_schema(JSON_OBJECT, disable_any_whitespace=compact)
     if fmt is not None:
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise invalid("response_format json_schema needs json_schema.schema", "response_format")
-        return StructuredOutputs.of_schema(fmt.json_schema.schema_)
+        return StructuredOutputs.of_schema(fmt.json_schema.schema_, disable_any_whitespace=compact)
     if request is None:
         return None
+    if request.disable_any_whitespace is not None:
+        compact = request.disable_any_whitespace
+    schema = JSON_OBJECT if request.json_object and request.json_ is None else request.json_
     try:
         return StructuredOutputs(
-            json=None if request.json_ is None else StructuredOutputs.of_schema(request.json_).json,
+            json=None if schema is None else StructuredOutputs.of_schema(schema).json,
             regex=request.regex,
             choice=None if request.choice is None else tuple(request.choice),
             grammar=request.grammar,
-            json_object=bool(request.json_object),
-            disable_any_whitespace=bool(request.disable_any_whitespace),
+            json_object=bool(request.json_object) and request.json_ is not None,  # both: refused, one line
+            disable_any_whitespace=compact and (schema is not None),
         )
     except DDTreeError as exc:
         raise invalid(str(exc), "structured_outputs") from None
 
 
+def _tools(body: ChatCompletionRequest) -> tuple[list[dict], ToolChoice | None]:
+    """The request's tools and tool_choice, or OpenAI's deprecated ``functions`` and ``function_call`` as
+    them (the answer's calls come back as ``tool_calls``)."""
+    if body.functions is None and body.function_call is None:
+        return [tool.model_dump(exclude_none=True) for tool in body.tools or ()], body.tool_choice
+    if body.tools is not None or body.tool_choice is not None:
+        message = "give tools and tool_choice, or the deprecated functions and function_call"
+        raise invalid(message, "functions")
+    tools = [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in body.functions or ()]
+    choice = body.function_call
+    if isinstance(choice, FunctionName):
+        choice = NamedToolChoice(type="function", function=choice)
+    return tools, choice
+
+
+def _template_kwargs(body: ChatCompletionRequest) -> dict | None:
+    """``chat_template_kwargs`` with ``reasoning_effort`` and ``thinking`` added as templates read them:
+    ``reasoning_effort`` as it is (gpt-oss' templates), thinking off (effort ``none``, ``thinking`` false or
+    disabled) or on as ``enable_thinking`` (Qwen3's, GLM's) and ``thinking`` (DeepSeek's, Kimi's). What the
+    request's own ``chat_template_kwargs`` set wins."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    mode = body.thinking.type if isinstance(body.thinking, ThinkingOption) else body.thinking
+    if body.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+        if body.reasoning_effort == "none" and mode is None:
+            mode = False
+    if mode in (False, "disabled", True, "enabled"):
+        on = mode in (True, "enabled")
+        kwargs.setdefault("enable_thinking", on)
+        kwargs.setdefault("thinking", on)
+    return kwargs if kwargs or body.chat_template_kwargs is not None else None
+
+
 def _message_parsing(
-    config: ServerConfig, body: ChatCompletionRequest, tools: list[dict]
+    config: ServerConfig,
+    body: ChatCompletionRequest,
+    tools: list[dict],
+    choice: ToolChoice | None = None,
+    template_kwargs: dict | None = None,
 ) -> tuple[MessageParsing | None, StructuredOutputs | None]:
     """How the answers are read (None: the text is the content) and the grammar that ``tool_choice``
     ``"required"`` or a named function puts on them, as vLLM does; its 400s come before queueing."""
-    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
+    choice = choice if choice is not None else ("auto" if tools else "none")
     if choice != "none" and not tools:
         raise invalid("tool_choice needs tools", "tool_choice")
     forced = grammar = None
@@ -288,14 +361,24 @@ def _message_parsing(
             '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
             "tool_choice",
         )
-    kwargs = body.chat_template_kwargs or {}
+    kwargs = template_kwargs or {}
     thinking = kwargs.get("enable_thinking") is not False and kwargs.get("thinking") is not False
     # a grammar holds the answer from its first token: there is no reasoning to read
     reasoning = config.reasoning_parser if thinking and forced is None else None
     tool_parser = config.tool_call_parser if choice == "auto" else None
     if reasoning is None and tool_parser is None and forced is None:
         return None, None
-    return MessageParsing(reasoning, tool_parser, tuple(tools), forced), grammar
+    # a call's id in the tool parser's format whatever the tool_choice (kimi_k2's counts earlier calls)
+    earlier = sum(len(m.tool_calls or ()) for m in body.messages)
+    return MessageParsing(
+        reasoning,
+        tool_parser,
+        tuple(tools),
+        forced,
+        id_format=config.tool_call_parser,
+        first_call=earlier,
+        include_reasoning=body.include_reasoning is not False,
+    ), grammar
 
 
 def _compact(schema: dict) -> StructuredOutputs:

@@ -3,7 +3,7 @@
 Requests are strict (no type coercion, unknown fields refused) so a client's typo is a 400 that names
 the field, never a silently ignored setting. As in vLLM, fields that cannot change the output (``store``,
 ``metadata``, ``user``, ...: ``IGNORED_FIELDS``) are accepted and ignored, and fields that would change it
-in a way this server does not implement (``echo``, ``suffix``, ``best_of`` != n) are refused. Extensions
+in a way this server does not implement (``suffix``, ``best_of`` != n) are refused. Extensions
 beyond OpenAI's API are marked as such: ``top_k``, ``min_p``, ``ignore_eos``, ``speculative`` and vLLM's
 (``repetition_penalty``, ``min_tokens``, ``bad_words``, ``structured_outputs``, ...) in requests,
 ``ddtree`` in responses.
@@ -35,6 +35,7 @@ from ddtree.request.params import (
     METHODS,
     MIN_P,
     PRESENCE_PENALTY,
+    PROMPT_LOGPROBS,
     REPETITION_PENALTY,
     SEED,
     TEMPERATURE,
@@ -247,7 +248,16 @@ class CompletionRequest(GenerationRequest):
         description="text, token ids, or a batch of either (up to 16 prompts)"
     )
     logprobs: _bounded(int, LOGPROBS) | None = Field(None, description="top-N alternatives per token")
-    echo: bool | None = Field(None, description="only false is supported")
+    echo: bool | None = Field(
+        None,
+        description="the prompt comes back before each answer; with logprobs, its tokens' logprobs too "
+        "(the first token has none): lm-eval's loglikelihood",
+    )
+    prompt_logprobs: _bounded(int, PROMPT_LOGPROBS) | None = Field(
+        None,
+        description="vLLM's extension: each prompt token's logprob plus the top N, in choices[i]"
+        ".prompt_logprobs (the first token's is null)",
+    )
     suffix: str | None = Field(None, description="not supported")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="only equal to n is supported")
 
@@ -259,13 +269,24 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     """A message of the conversation. ``tool`` messages (results of calls the client made) and assistant
-    ``tool_calls`` from earlier turns go to the chat template as they are."""
+    ``tool_calls`` from earlier turns go to the chat template as they are. An assistant message sent back
+    as a server returned it keeps its other fields: the reasoning (``reasoning_content``, or vLLM's newer
+    ``reasoning``) goes to a chat template that reads it (Kimi's, GLM's, Qwen3's); ``refusal``, ``audio``,
+    ``annotations`` and ``function_call`` are accepted and ignored."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = Field(description="null only for assistant tool_calls")
+    content: str | list[TextPart] | None = Field(
+        None, description="null (or omitted) only for assistant tool_calls"
+    )
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict] | None = None
+    reasoning_content: str | None = Field(None, description="an earlier answer's reasoning, for the template")
+    reasoning: str | None = Field(None, description="the same as reasoning_content (vLLM's newer name)")
+    refusal: str | None = Field(None, description="accepted and ignored")
+    audio: dict | None = Field(None, description="accepted and ignored")
+    annotations: list | None = Field(None, description="accepted and ignored")
+    function_call: dict | None = Field(None, description="accepted and ignored (the legacy tool_calls)")
 
 
 class JsonSchemaFormat(_Strict):
@@ -309,6 +330,14 @@ class NamedToolChoice(_Strict):
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
+class ThinkingOption(_Strict):
+    """DeepSeek's, Kimi's and GLM's ``thinking: {"type": "enabled" | "disabled"}``."""
+
+    type: Literal["enabled", "disabled", "auto"]
+    budget_tokens: int | None = Field(None, ge=0, description="accepted and ignored")
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -330,6 +359,23 @@ class ChatCompletionRequest(GenerationRequest):
     parallel_tool_calls: bool | None = Field(None, description="false: required makes one call only")
     chat_template_kwargs: dict | None = Field(
         None, description="vLLM's extension: extra variables for the chat template (enable_thinking, ...)"
+    )
+    reasoning_effort: ReasoningEffort | None = Field(
+        None,
+        description="goes to the chat template as reasoning_effort; none also switches thinking off "
+        "(enable_thinking and thinking false)",
+    )
+    thinking: bool | ThinkingOption | None = Field(
+        None, description="extension: false or {type: disabled} switches thinking off in the chat template"
+    )
+    include_reasoning: bool | None = Field(
+        None, description="vLLM's extension: false leaves the parsed reasoning out of the answer"
+    )
+    functions: list[FunctionDefinition] | None = Field(
+        None, max_length=MAX_TOOLS, description="OpenAI's deprecated form of tools"
+    )
+    function_call: Literal["none", "auto"] | FunctionName | None = Field(
+        None, description="OpenAI's deprecated form of tool_choice"
     )
 
 
@@ -375,10 +421,20 @@ class SpeculativeStats(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy layout; with ``echo`` the prompt's tokens come first, the very first with nulls."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's entry of ``prompt_logprobs``: one token's logprob, its rank when known, its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -386,6 +442,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    # vLLM's: per prompt token (the first is null), the token's entry and the top N, by token id
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class Completion(BaseModel):

@@ -31,6 +31,7 @@ from ddtree.server.protocol import (
     DeltaMessage,
     DeltaToolCall,
     FunctionCall,
+    PromptLogprob,
     PromptTokensDetails,
     SpeculativeStats,
     TokenLogprob,
@@ -46,6 +47,8 @@ from ddtree.server.tool_parsers import (
     RequiredCallsStream,
     ToolCallDelta,
     ToolCallStream,
+    call_id,
+    parses,
 )
 
 
@@ -59,14 +62,18 @@ class MessageParsing:
     tool_parser: str | None = None
     tools: tuple[dict, ...] = ()
     forced: str | None = None  # "required", or the named function's name
+    id_format: str | None = None  # the server's --tool-call-parser: its ids for every tool_choice
+    first_call: int = 0  # tool calls earlier in the conversation (kimi_k2's ids count them)
+    include_reasoning: bool = True  # false: the reasoning is read, and left out of the answer
 
     def calls(self) -> CallStream | None:
+        ids = FORMATS[self.id_format].call_id if self.id_format is not None else call_id
         if self.forced == "required":
-            return RequiredCallsStream()
+            return RequiredCallsStream(ids, self.first_call)
         if self.forced is not None:
-            return NamedCallStream(self.forced)
+            return NamedCallStream(self.forced, ids, self.first_call)
         if self.tool_parser is not None:
-            return ToolCallStream(FORMATS[self.tool_parser](list(self.tools)))
+            return ToolCallStream(FORMATS[self.tool_parser](list(self.tools)), self.first_call)
         return None
 
 
@@ -118,6 +125,7 @@ class _Choice:
     finish_reason: str | None = None
     stats: SpeculativeStats | None = None
     text_offset: int = 0  # completions logprobs: where the next token starts in the choice's text
+    prompt_logprobs: list[TokenInfo] | None = None  # completions: vLLM's prompt_logprobs, when asked
     opened: bool = False  # chat streaming: the role chunk was sent
     parser: MessageParser | None = None  # chat with a reasoning or tool parser
     delta: MessageDelta | None = None  # what the parser made of the latest piece
@@ -167,6 +175,8 @@ class _Answer:
         choice.text += piece.text
         choice.tokens += piece.num_tokens
         choice.logprobs += piece.logprobs
+        if piece.prompt_logprobs is not None:
+            choice.prompt_logprobs = piece.prompt_logprobs
         if piece.index % self.n == 0:
             self.cached_tokens[piece.index] = piece.cached_tokens
         if piece.finish_reason is not None:
@@ -212,6 +222,7 @@ class CompletionAnswer(_Answer):
                 text=c.text,
                 logprobs=self._logprobs(c, c.logprobs) if self.logprobs else None,
                 finish_reason=c.finish_reason,
+                prompt_logprobs=_prompt_logprobs(c.prompt_logprobs),
             )
             for i, c in sorted(self.choices.items())
         ]
@@ -223,7 +234,11 @@ class CompletionAnswer(_Answer):
             return []
         logprobs = self._logprobs(choice, piece.logprobs) if self.logprobs else None
         item = CompletionChoice(
-            index=piece.index, text=piece.text, logprobs=logprobs, finish_reason=piece.finish_reason
+            index=piece.index,
+            text=piece.text,
+            logprobs=logprobs,
+            finish_reason=piece.finish_reason,
+            prompt_logprobs=_prompt_logprobs(piece.prompt_logprobs),
         )
         return [self._chunk([item], stats=choice.stats)]
 
@@ -243,9 +258,28 @@ class CompletionAnswer(_Answer):
         return CompletionLogprobs(
             tokens=[i.token for i in infos],
             token_logprobs=[i.logprob for i in infos],
-            top_logprobs=[{s: v for s, _, v in i.top} for i in infos],
+            top_logprobs=[None if i.top is None else {s: v for s, _, v in i.top} for i in infos],
             text_offset=offsets,
         )
+
+
+def _prompt_logprobs(infos: list[TokenInfo] | None) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's layout: per prompt token, by token id, the token itself and the top N (ranks from 1)."""
+    if infos is None:
+        return None
+    out: list[dict[str, PromptLogprob] | None] = []
+    for info in infos:
+        if info.logprob is None:
+            out.append(None)
+            continue
+        entry = {
+            str(t): PromptLogprob(logprob=v, rank=rank, decoded_token=s)
+            for rank, (t, (s, _, v)) in enumerate(zip(info.top_ids, info.top or (), strict=True), 1)
+        }
+        if str(info.token_id) not in entry:  # outside the top N: its rank is not computed
+            entry[str(info.token_id)] = PromptLogprob(logprob=info.logprob, decoded_token=info.token)
+        out.append(entry)
+    return out
 
 
 class ChatAnswer(_Answer):
@@ -276,7 +310,7 @@ class ChatAnswer(_Answer):
                 choice.tool_calls.append(ToolCall(id=d.id, function=FunctionCall(name=d.name, arguments="")))
             choice.tool_calls[d.index].function.arguments += d.arguments
         if choice.tool_calls and choice.finish_reason is not None:
-            choice.finish_reason = "tool_calls"  # as vLLM: the answer is its calls
+            choice.finish_reason = _calls_finish(choice)
         return choice
 
     def response(self) -> ChatCompletion:
@@ -294,7 +328,7 @@ class ChatAnswer(_Answer):
     def _message(self, c: _Choice) -> AssistantMessage:
         if self.parsing is None:
             return AssistantMessage(content=c.text)
-        reasoning = c.reasoning or None
+        reasoning = (c.reasoning or None) if self.parsing.include_reasoning else None
         return AssistantMessage(
             content=c.content or None,
             reasoning_content=reasoning,
@@ -312,7 +346,10 @@ class ChatAnswer(_Answer):
                     [ChatChunkChoice(index=piece.index, delta=DeltaMessage(role="assistant", content=""))]
                 )
             )
-        delta = DeltaMessage(content=piece.text) if self.parsing is None else _delta(choice.delta)
+        if self.parsing is None:
+            delta = DeltaMessage(content=piece.text)
+        else:
+            delta = _delta(choice.delta, self.parsing.include_reasoning)
         if delta.content or delta.reasoning_content or delta.tool_calls or piece.logprobs:
             logprobs = _chat_logprobs(piece.logprobs) if self.logprobs else None
             out.append(self._chunk([ChatChunkChoice(index=piece.index, delta=delta, logprobs=logprobs)]))
@@ -330,7 +367,18 @@ class ChatAnswer(_Answer):
         return _with_stats(body, stats)
 
 
-def _delta(delta: MessageDelta) -> DeltaMessage:
+def _calls_finish(choice: _Choice) -> str:
+    """The finish reason of an answer that made calls, as OpenAI's: ``tool_calls`` only when every call
+    is whole (its arguments parse); a text the length limit cut is ``length`` (its calls as far as they
+    went), unless a grammar's calls had all ended; a call broken otherwise (a stop string) is ``stop``."""
+    whole = all(parses(c.function.arguments) for c in choice.tool_calls)
+    calls = choice.parser.calls if choice.parser is not None else None
+    if choice.finish_reason == "length" and not (calls is not None and calls.complete and whole):
+        return "length"
+    return "tool_calls" if whole else "stop"
+
+
+def _delta(delta: MessageDelta, include_reasoning: bool = True) -> DeltaMessage:
     """A parsed delta in OpenAI's shape (a call's first entry: its id, type and name)."""
     calls = [
         DeltaToolCall(
@@ -341,7 +389,7 @@ def _delta(delta: MessageDelta) -> DeltaMessage:
         )
         for d in delta.tool_calls
     ]
-    reasoning = delta.reasoning or None
+    reasoning = (delta.reasoning or None) if include_reasoning else None
     return DeltaMessage(
         content=delta.content or None,
         reasoning_content=reasoning,

@@ -162,6 +162,17 @@ def exit_process(code: int) -> NoReturn:
     sys.exit(code)
 
 
+def generation_config(args: argparse.Namespace) -> str:
+    """``--generation-config`` with ``auto`` resolved: the target's directory when it has a
+    ``generation_config.json`` (the built-in target's too), else ``vllm`` (OpenAI's defaults)."""
+    from ddtree.model.loader import DEFAULT_TARGET
+
+    if args.generation_config != "auto":
+        return args.generation_config
+    target = Path(args.target or DEFAULT_TARGET)
+    return str(target) if (target / "generation_config.json").is_file() else "vllm"
+
+
 def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespace], object]) -> None:
     """The ``serve`` command: checks the server's flags (``ServerConfig.from_args``), binds, serves; raises
     DDTreeError for the CLI's exit 2. The engine's flags are the caller's to check
@@ -169,6 +180,8 @@ def serve(args: argparse.Namespace, engine_from_args: Callable[[argparse.Namespa
     config = ServerConfig.from_args(
         args,
         model_name=args.model_name or (Path(args.target).name if args.target else DEFAULT_MODEL_NAME),
+        generation_config=generation_config(args),
+        trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
         api_keys=api_keys(args.api_keys, os.environ),
         step_delay=float(os.environ.get(STEP_DELAY_ENV, "0") or 0),
         start_body_parser=True,

@@ -49,7 +49,8 @@ class ToolCallDelta:
     arguments: str = ""
 
 
-def call_id() -> str:
+def call_id(name: str = "", index: int = 0) -> str:
+    """vLLM's id of a call whose format writes none."""
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
@@ -58,6 +59,12 @@ class Format:
 
     start: str
     end: str
+
+    @staticmethod
+    def call_id(name: str, index: int) -> str:
+        """The id of call ``index`` (counted over the conversation) when the text names none: the format's
+        own, so that every ``tool_choice`` gives the ids the model reads back in its history."""
+        return call_id()
 
     def __init__(self, tools: list[dict]) -> None:
         # function -> parameter -> JSON schema type, for formats that write values as bare text
@@ -223,6 +230,10 @@ class KimiK2(Format):
     call_begin, call_end = "<|tool_call_begin|>", "<|tool_call_end|>"
     argument_begin = "<|tool_call_argument_begin|>"
 
+    @staticmethod
+    def call_id(name: str, index: int) -> str:
+        return f"functions.{name}:{index}"
+
     def scan(self, block: str, complete: bool) -> list[PartialCall]:
         calls = []
         for part in block.split(self.call_begin)[1:]:
@@ -253,10 +264,16 @@ TOOL_CALL_PARSERS = tuple(FORMATS)
 
 class CallStream:
     """What a chat answer's (post-reasoning) text holds, read as it arrives: ``feed`` and, once the text
-    has ended, ``finish`` each return (content, tool_calls deltas); ``calls`` holds the calls so far."""
+    has ended, ``finish`` each return (content, tool_calls deltas); ``calls`` holds the calls so far.
+    ``complete``, once finished: the whole text was the calls, each one ended (a grammar's JSON that
+    parses); a text cut short is not, whatever its calls' arguments look like. Calls get ids from ``ids``
+    (a format's ``call_id``), counted from ``first`` (the calls earlier in the conversation)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ids=call_id, first: int = 0) -> None:
         self.calls: list[ToolCall] = []
+        self.ids = ids
+        self.first = first
+        self.complete = False
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         raise NotImplementedError
@@ -278,7 +295,7 @@ class CallStream:
             out.append(ToolCallDelta(index, arguments=new))
 
     def _begin(self, name: str, ident: str | None, out: list[ToolCallDelta]) -> int:
-        self.calls.append(ToolCall(ident or call_id(), name, ""))
+        self.calls.append(ToolCall(ident or self.ids(name, self.first + len(self.calls)), name, ""))
         index = len(self.calls) - 1
         out.append(ToolCallDelta(index, self.calls[index].id, name))
         return index
@@ -287,8 +304,8 @@ class CallStream:
 class ToolCallStream(CallStream):
     """Content and calls of a ``Format`` (``tool_choice: "auto"`` with ``--tool-call-parser``)."""
 
-    def __init__(self, fmt: Format) -> None:
-        super().__init__()
+    def __init__(self, fmt: Format, first: int = 0) -> None:
+        super().__init__(fmt.call_id, first)
         self.fmt = fmt
         self._buffer = ""  # held content, or the open block's text so far
         self._in_block = False
@@ -343,8 +360,8 @@ class ToolCallStream(CallStream):
         self._in_block = False
         try:
             calls = self.fmt.scan(block, complete=True)
-        except ValueError:
-            calls = []
+        except ValueError:  # a block cut short: its calls as far as they go, none dropped unsaid
+            calls = self.fmt.scan(block, complete=False) if self._block_calls else []
         self._after_block = bool(calls or self._block_calls)
         if not self._after_block:
             return self._gap + self.fmt.start + block + end
@@ -363,8 +380,8 @@ class ToolCallStream(CallStream):
 class NamedCallStream(CallStream):
     """A named ``tool_choice``: the grammar made the whole text that function's arguments."""
 
-    def __init__(self, name: str) -> None:
-        super().__init__()
+    def __init__(self, name: str, ids=call_id, first: int = 0) -> None:
+        super().__init__(ids, first)
         self.name = name
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
@@ -375,7 +392,18 @@ class NamedCallStream(CallStream):
         return "", out
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        return self.feed("")
+        done = self.feed("")
+        self.complete = parses(self.calls[0].arguments)
+        return done
+
+
+def parses(text: str) -> bool:
+    """``text`` is one whole JSON value."""
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 class RequiredCallsStream(CallStream):
@@ -386,8 +414,8 @@ class RequiredCallsStream(CallStream):
     _item = re.compile(r'\s*[\[,]\s*\{\s*"name"\s*:\s*' + _STRING + r'\s*,\s*"parameters"\s*:\s*')
     _item_end = re.compile(r"\s*\}")
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, ids=call_id, first: int = 0) -> None:
+        super().__init__(ids, first)
         self._text = ""
         self._done = 0  # where the next item begins
         self._open: int | None = None  # the call of the item being written
@@ -410,6 +438,7 @@ class RequiredCallsStream(CallStream):
         return "", out
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        self.complete = bool(self.calls) and parses(self._text)
         return ("" if self.calls else self._text), []
 
 

@@ -1,8 +1,10 @@
 """What each row proposes this round: one drafter pass over every drafting row, then each row's tree.
 
 ``ddtree`` rows get the best-first tree of their ``budget`` most probable draft prefixes, ``dflash`` rows the
-drafter's argmax chain, ``ar`` rows (and rows that skip the drafter this round) the root alone. The drafter
-also consumes the target features each round committed, so its cache follows the target's.
+drafter's argmax chain, ``ar`` rows (and rows that skip the drafter this round) the root alone. A DFlash2
+drafter's prefixes are scored over its candidate lattice (each token's log-prob given the one before it),
+and its chain follows the lattice's greedy edges. The drafter also consumes the target features each round
+committed, so its cache follows the target's.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Request
 from ddtree.model.capture import upload
 from ddtree.request.penalties import NodePenalties
+from ddtree.speculative.dflash2 import DFlash2Drafter
 from ddtree.speculative.tree import TreeBatch, TreeShape, TreeSpec, build_tree_batch, draft_candidates
 
 
@@ -179,7 +182,8 @@ class Proposer:
         round), the argmax chain (``dflash``: branching 1) or the best-first tree (``ddtree``; with budget
         "auto", of up to ``auto_max_budget`` candidates). ``hidden`` [D, block_size - 1, H]: the
         ``drafting`` rows' drafted positions (``draft``), scored here as deep as the trees can grow (with
-        fixed shapes, as deep as the node bucket's: one tree graph per bucket)."""
+        fixed shapes, as deep as the node bucket's: one tree graph per bucket). A DFlash2 drafter's trees
+        are built over its lattice, eagerly (no compiled graph) in the bucket's shapes."""
         b = len(rows)
         spec = TreeSpec(*(np.zeros(b, dtype=np.int64) for _ in range(3)))
         drafted = {id(r): i for i, r in enumerate(drafting)}
@@ -199,20 +203,26 @@ class Proposer:
         plain = lambda: TreeBatch.root_only(shapes.inputs.upload(np.array([r.root for r in rows])))  # noqa: E731
         if hidden is None or not spec.budgets.any():
             return plain()
-        k = int(spec.topks.max())
+        lattice = isinstance(runner.drafter, DFlash2Drafter)
+        k = runner.drafter.settings.top_k if lattice else int(spec.topks.max())
         shape, bp = None, b
         if shapes.fixed:  # one tree graph per bucket: a batch bucket of rows, a node bucket wide
-            n = shapes.node_bucket(int(spec.sizes(int(spec.budgets.max()), k).max()))
+            n = shapes.node_bucket(int(spec.sizes(int(spec.budgets.max()), k, lattice).max()))
             if n == 1:
                 return plain()
             bp = shapes.batch_bucket(b)
             shape = TreeShape.bucket(n, runner.drafter.block_size - 1, vocab)
-            k = shape.k
+            if not lattice:  # the bucket's ranks; a lattice keeps its own K candidates
+                k = shape.k
             spec = TreeSpec(*(np.pad(x, (0, bp - b)) for x in (spec.budgets, spec.topks, spec.depths)))
         depth = shape.depths if shape is not None else max(self.depth(r) for r in drafting)
         logits = penalised_drafts(drafting, self.draft_logits(hidden, depth))  # [D, depth, V]
         logits = grammar_first_level(drafting, logits)
-        vals, ids = draft_candidates(logits, k)  # [D, depth, K] each
+        if lattice:  # ids [D, depth, K], vals: edge log-probs [D, depth, K, K]
+            anchors = shapes.inputs.upload(np.array([r.root for r in drafting]))  # [D]
+            ids, vals = runner.drafter.lattice(hidden[:, :depth], logits, anchors)
+        else:
+            vals, ids = draft_candidates(logits, k)  # [D, depth, K] each
         if len(drafting) < bp:  # rows that do not draft this round get candidates they never read
             at = np.zeros(bp, dtype=np.int64)
             at[:b] = [drafted.get(id(r), 0) for r in rows]
@@ -223,7 +233,8 @@ class Proposer:
         roots_t = shapes.inputs.upload(roots)  # [Bp]
         if shape is None:
             return build_tree_batch(vals, ids, roots_t, spec)
-        return build_tree_batch(vals, ids, roots_t, spec, shape, shapes.tree_graph, rows=b)
+        beam = None if lattice else shapes.tree_graph  # the lattice's builder runs eagerly
+        return build_tree_batch(vals, ids, roots_t, spec, shape, beam, rows=b)
 
 
 def penalised_drafts(drafting: list[Request], logits: torch.Tensor) -> torch.Tensor:

@@ -25,9 +25,10 @@ of candidate k at l after predecessor token p (the candidate chosen at l - 1; th
 
     score(l, p, k) = u[l, k] + sum_r predecessor_codebook[p, r] * z_l[r] * successor_codebook[c[l, k], r]
 
-The public drafters decode a chain greedily (or sample softmax(score / T)) through this lattice. Here the
-engine still drafts from the per-position marginals (output stays lossless either way: verification is the
-target's); ``edge_scores`` exposes the lattice for trees built over it.
+The public drafters decode a chain greedily (or sample softmax(score / T)) through this lattice. The engine
+drafts over it too (``lattice``): ``ddtree`` trees hold the best paths by the sum of their edges' log-probs
+(``ddtree.speculative.tree.lattice_tree``), ``dflash`` follows the greedy edge at every position. Output is
+the target's either way: verification does not read the draft's scores.
 """
 
 from __future__ import annotations
@@ -254,6 +255,17 @@ class DFlash2Drafter(DFlashDrafter):
     def edge_log_probs(self, *args: torch.Tensor) -> torch.Tensor:
         """``edge_scores`` normalized over the candidates: log q(c | p) at temperature 1."""
         return torch.log_softmax(self.edge_scores(*args), dim=-1)
+
+    def lattice(
+        self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The lattice the engine's trees are drafted over: candidate ids [B, L, K] and edge log-probs
+        [B, L, K, K] (``edge_log_probs``'s layout) of drafted positions' hidden states ``hidden`` [B, L, H]
+        (the block less its bonus token), from the LM head's ``logits`` [B, L, V] as the engine has them
+        (penalised, grammar-masked) and the bonus tokens ``anchors`` [B]."""
+        values, ids = torch.topk(self.draft_logits(logits), self.settings.top_k, dim=-1)  # [B, L, K]
+        scores = self.candidate_selector(hidden, ids, values, anchors)  # [B, L, K, K]
+        return ids, torch.log_softmax(scores, dim=-1)
 
     # -- checkpoint I/O in the public DFlash2 format --------------------------------------------------
 

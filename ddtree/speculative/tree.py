@@ -6,6 +6,11 @@ a prefix or swapping a token for a lower-ranked one never raises it. A best-firs
 therefore pops prefixes in descending probability, and the first ``budget`` pops are exactly the
 ``budget`` most probable prefixes (among the top-K tokens per position). Every prefix of a popped prefix
 was popped earlier, so the popped set is a tree rooted at the last accepted token.
+
+A DFlash2 drafter gives more: a lattice of K candidates per position and, for each candidate, a log-prob
+conditioned on the candidate chosen before it (``lattice_tree``). A prefix's score is then the sum of its
+edges' log-probs, still never raised by extending the prefix, so the ``budget`` best prefixes are again a
+tree, found by the same depth-by-depth beam.
 """
 
 from __future__ import annotations
@@ -62,15 +67,19 @@ class TreeSpec:
     topks: np.ndarray
     depths: np.ndarray
 
-    def sizes(self, width: int, k: int) -> np.ndarray:
+    def sizes(self, width: int, k: int, lattice: bool = False) -> np.ndarray:
         """Nodes of each row's tree, root included ([B]); known on the host without looking at the
-        candidates: the beam keeps ``min(width, valid pairs)`` prefixes a depth whatever their scores."""
+        candidates: the beam keeps ``min(width, valid pairs)`` prefixes a depth whatever their scores
+        (``lattice``: every prefix has its own ``min(topk, k)`` children, ``lattice_tree``)."""
         pp, pr = _beam_pairs(width, k)
         count = np.ones(len(self.budgets), dtype=np.int64)  # depth 0: the root
         total = np.zeros_like(count)
         for d in range(int(self.depths.max(initial=0))):
-            live = (pp[None] < count[:, None]) & (pr[None] < self.topks[:, None])  # [B, P]
-            count = np.where(d < self.depths, np.minimum(live.sum(axis=1), width), 0)
+            if lattice:
+                live = count * np.minimum(self.topks, k)  # [B]
+            else:
+                live = ((pp[None] < count[:, None]) & (pr[None] < self.topks[:, None])).sum(axis=1)  # [B]
+            count = np.where(d < self.depths, np.minimum(live, width), 0)
             total += count
         return 1 + np.minimum(self.budgets, total)
 
@@ -241,11 +250,15 @@ def build_tree_batch(
     is as wide, deep and branching as the batch asks and the trees as wide as the largest. With ``rows``
     the rows past it are a fixed shape's dummies: no node at all, and the batch holds the first ``rows``
     (views) with the whole in ``padded``.
+
+    ``vals`` [B, L, K, K] are a DFlash2 lattice's edge log-probs instead (``lattice_tree`` builds the trees,
+    ``beam`` is for the marginal beam only): ``ids`` are its candidates, and ``shape.k`` need only bound a
+    node's children (K, or fewer nodes), so a fixed shape's bucket is the marginal beam's.
     """
-    b, _, k = vals.shape
+    b, k, lattice = vals.shape[0], vals.shape[-1], vals.dim() == 4
     device = vals.device
     width = int(spec.budgets.max(initial=0))
-    sizes = spec.sizes(width, k) if width else np.ones(b, dtype=np.int64)
+    sizes = spec.sizes(width, k, lattice) if width else np.ones(b, dtype=np.int64)
     if rows is not None:
         sizes[rows:] = 0
     if shape is None:
@@ -254,7 +267,7 @@ def build_tree_batch(
         depth_max = int(spec.depths[spec.budgets > 0].max(initial=0))
         shape = TreeShape(width=width, k=k, depths=depth_max, nodes=int(sizes.max()))
     if (
-        k != shape.k
+        (shape.k < min(k, shape.nodes - 1) if lattice else k != shape.k)
         or vals.shape[1] < shape.depths
         or int(sizes.max()) > shape.nodes
         or shape.width < shape.nodes - 1
@@ -264,9 +277,12 @@ def build_tree_batch(
         )
     # Branching allowed at each depth ([B, L]: a row's own cap, 0 past its depth), prepared on the host.
     allowed = np.where(np.arange(shape.depths)[None] < spec.depths[:, None], spec.topks[:, None], 0)
-    plan = beam_plan(shape, device)
     allowed_t, sizes_t = upload(allowed, device), upload(sizes, device)
-    tokens, depths, parents, logw = (beam or beam_tree)(vals, ids, roots, allowed_t, sizes_t, plan)
+    if lattice:
+        tokens, depths, parents, logw = lattice_tree(vals, ids, roots, allowed_t, sizes_t, shape)
+    else:
+        plan = beam_plan(shape, device)
+        tokens, depths, parents, logw = (beam or beam_tree)(vals, ids, roots, allowed_t, sizes_t, plan)
     depth = int(np.minimum(spec.depths, sizes - 1).max())  # a tree of m nodes is at most m - 1 deep
     if rows is None:
         return TreeBatch(tokens, depths, parents, logw, sizes, depth, shape.k, sizes_t)
@@ -333,6 +349,68 @@ def beam_tree(
         cost, valid = cand.gather(1, order), ok.gather(1, order)
         rank = torch.take(r_d, order)
         levels.append((cost, valid, torch.take(p_d, order), ids[:, d].gather(1, rank)))
+    return assemble_tree(levels, plan.depth_of, roots, sizes, n)
+
+
+def lattice_tree(
+    edges: torch.Tensor,
+    ids: torch.Tensor,
+    roots: torch.Tensor,
+    allowed: torch.Tensor,
+    sizes: torch.Tensor,
+    shape: TreeShape,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``beam_tree`` over a DFlash2 lattice: the trees [B, N] (N = ``shape.nodes``) of the best prefixes
+    by the sum of their edges' log-probs, in the same fixed shapes and pure tensor ops.
+
+    ``edges`` [B, L, K, K]: [b, l, p, c] = log q(candidate c at depth l + 1 | candidate p at depth l),
+    normalised over c (depth 1's rows all condition on the root alike); ``ids`` [B, L, K] the candidates'
+    tokens. A prefix is a path of candidates, one a depth. An edge's log-prob is at most 0, so a child
+    never outscores its parent and the beam's argument holds: keeping each depth's ``shape.width`` best
+    prefixes among the previous survivors' K children each loses none of the best ``sizes_b - 1``. Every
+    parent has its own children, so a depth scores all ``slots x K`` pairs (no pair dominates another
+    across parents). ``allowed`` [B, L] caps a node's children by their edge's rank under that parent
+    (descending log-prob, ties by candidate index): 1 follows the greedy edge, the lattice's best path.
+
+    Scores add in float64 from the root. Ties fall by depth (shallower first), then within a depth by the
+    parent's place in its depth's order, then by candidate index: a stable sort over pairs laid out
+    slot-major, slots in pop order (invalid pairs sort last as NaN).
+    """
+    b, k, device, width = edges.shape[0], edges.shape[-1], edges.device, shape.width
+    # Each edge's rank under its parent: the inverse of the parent's stable descending sort.
+    by_rank = edges[:, : shape.depths].sort(dim=-1, descending=True, stable=True).indices  # [B, L, K, K]
+    ranks = torch.arange(k, device=device).expand_as(by_rank)
+    edge_rank = torch.empty_like(by_rank).scatter_(-1, by_rank, ranks)  # [B, L, K, K]
+    edges64 = edges[:, : shape.depths].double()
+    cost = torch.zeros(b, 1, dtype=torch.float64, device=device)  # -score; the root's is 0
+    valid = torch.ones(b, 1, dtype=torch.bool, device=device)
+    cand = torch.zeros(b, 1, dtype=torch.int64, device=device)  # each slot's candidate (the root: any row)
+    levels, depth_of = [], []  # per depth: cost, valid, parent slot, token [B, W_d]; depth [W_d]
+    nan = torch.full((), float("nan"), dtype=torch.float64, device=device)  # a fill: no upload
+    for d in range(shape.depths):
+        rows = cand[:, :, None].expand(-1, -1, k)  # [B, S, K]: each slot's row of successors
+        child = (cost[:, :, None] - edges64[:, d].gather(1, rows)).flatten(1)  # [B, S * K], slot-major
+        cap = allowed[:, d, None, None]  # [B, 1, 1]
+        ok = (valid[:, :, None] & (edge_rank[:, d].gather(1, rows) < cap)).flatten(1)  # [B, S * K]
+        order = torch.where(ok, child, nan).sort(dim=1, stable=True).indices[:, :width]  # [B, W_d]
+        cost, valid, cand = child.gather(1, order), ok.gather(1, order), order % k
+        levels.append((cost, valid, order // k, ids[:, d].gather(1, cand)))
+        depth_of.append(torch.full((order.shape[1],), d + 1, dtype=torch.int64, device=device))
+    return assemble_tree(levels, torch.cat(depth_of), roots, sizes, shape.nodes)
+
+
+def assemble_tree(
+    levels: list[tuple[torch.Tensor, ...]],
+    depth_of: torch.Tensor,
+    roots: torch.Tensor,
+    sizes: torch.Tensor,
+    n: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A beam's trees [B, n] from its levels (per depth: cost, valid, parent slot, token [B, W_d], each
+    depth in its pop order; ``depth_of`` [T] every level entry's depth): the best ``sizes_b - 1`` entries
+    over the union of depths by cost (ties: the shallower, then the earlier in its depth), in pop order."""
+    b, device = roots.shape[0], roots.device
+    nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
     costs = torch.cat([lv[0] for lv in levels], dim=1)  # [B, T] depth-major, each depth in pop order
     alive = torch.cat([lv[1] for lv in levels], dim=1)
     order = torch.where(alive, costs, nan).sort(dim=1, stable=True).indices[:, : n - 1]  # [B, m]
@@ -347,7 +425,7 @@ def beam_tree(
         start += width_prev
     padding = torch.arange(1, m + 1, device=device)[None] >= sizes[:, None]
     node_tokens = torch.cat([lv[3] for lv in levels], dim=1).gather(1, order).masked_fill(padding, 0)
-    node_depths = torch.take(plan.depth_of, order).masked_fill(padding, 0)
+    node_depths = torch.take(depth_of, order).masked_fill(padding, 0)
     node_parents = torch.cat(parents, dim=1).gather(1, order).masked_fill(padding, 0)
     node_logw = (-costs.gather(1, order)).float().masked_fill(padding, 0.0)
     root = torch.zeros(b, 1, dtype=torch.int64, device=device)

@@ -91,6 +91,20 @@ def test_linear_cost_recovers_a_line_and_follows_a_change():
     assert cost.predict(10) == pytest.approx(2 * 0.003, rel=0.05)
 
 
+def test_a_slope_refit_to_noise_after_plain_rounds_keeps_its_floor():
+    """Plain rounds (16 tokens) with a few noisy tree rounds among them fitted a slope of 0: every tree looked
+    free and auto drafted at batch 16, T = 1, at 0.42x plain decoding."""
+    for floor in (0.0, 1e-4):
+        cost = LinearCost(min_per_unit=floor)
+        for i in range(200):
+            cost.observe(208 if i % 50 == 0 else 16, 0.009 if i % 50 == 0 else 0.010)  # trees timed fast
+        assert cost.per_unit == floor  # 0 without a floor: the mutation the floor is for
+    cost = LinearCost(min_per_unit=1e-4)
+    for units in [1, 8, 32, 64, 16, 4] * 3:  # a steeper real slope is still learnt
+        cost.observe(units, 0.002 + 0.001 * units)
+    assert cost.per_unit == pytest.approx(0.001, rel=1e-6)
+
+
 def test_calibration_starts_at_the_drafters_word_and_learns_the_real_rate():
     cal = AcceptanceCalibration()
     assert cal.calibrate("greedy", np.array([0.325]))[0] == pytest.approx(0.325)

@@ -261,8 +261,9 @@ class EngineCore:
         elapsed = time.perf_counter() - t_round
         self.pacer.rounded(elapsed)
         seconds = clock.seconds()
-        if clock.enabled:
-            self.auto.observe(batch.ids.numel(), seconds["verify"], len(drafting), seconds["draft"], elapsed)
+        if clock.enabled:  # the verdicts' LM head grows with the verified tokens as the forward does
+            verified = seconds["verify"] + seconds["accept"]
+            self.auto.observe(batch.ids.numel(), verified, len(drafting), seconds["draft"], elapsed)
         self.scheduler.record_round_time(rows, seconds, elapsed)
         return deltas
 

@@ -30,6 +30,9 @@ class LinearCost:
     per_unit: float = 0.0
     decay: float = 0.95
     sloped: bool = True  # False: a level only (per_unit stays as given)
+    # the least per_unit a refit may give: after long stretches of one size (plain rounds) the few other
+    # sizes' weights are noise, and a slope fitted to them fell to 0, making every tree look free
+    min_per_unit: float = 0.0
     _stats: np.ndarray = field(default_factory=lambda: np.zeros(5))  # weight, sum x, sum y, sum xx, sum xy
 
     def predict(self, units: float) -> float:
@@ -45,20 +48,22 @@ class LinearCost:
         # (plain rounds are all 1 token) the others' weights have decayed to rounding noise.
         if self.sloped and var > SPREAD * max(w * sxx, 1e-30):
             slope = (w * sxy - sx * sy) / var
-            self.per_unit = max(slope, 0.0)
+            self.per_unit = max(slope, self.min_per_unit)
             self.fixed = max((sy - self.per_unit * sx) / w, 0.0)
         else:  # one size seen lately: keep the slope (no more than the data allow), move the level
             if sx > 0:
-                self.per_unit = min(self.per_unit, sy / sx)
+                self.per_unit = max(min(self.per_unit, sy / sx), self.min_per_unit)
             self.fixed = max(sy / w - self.per_unit * sx / w, 0.0)
 
 
 @dataclass
 class CostModel:
-    """Seconds of one round: the target forward over ``tokens`` (all rows, padded), the drafter pass over
-    ``draft_rows`` rows (0 = no pass), and the rest of the round (tree building, masks, the walk, the
-    commit). The rest is a level: fitted against the tokens, one slow round among hundreds of plain ones
-    (the first auto round of a process) made every tree token look milliseconds dear."""
+    """Seconds of one round: the target forward over ``tokens`` (all rows, padded) with the LM head and
+    sampling over the verified nodes (both grow with the tokens: counted as the rest, a level, they made
+    trees look free at batch 16 and T = 1, 0.42x plain decoding), the drafter pass over ``draft_rows`` rows
+    (0 = no pass), and the rest of the round (tree building, masks, the commit). The rest is a level:
+    fitted against the tokens, one slow round among hundreds of plain ones (the first auto round of a
+    process) made every tree token look milliseconds dear."""
 
     verify: LinearCost = field(default_factory=LinearCost)
     draft: LinearCost = field(default_factory=LinearCost)

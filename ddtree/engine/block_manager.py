@@ -154,8 +154,7 @@ class BlockManager:
     def cached_prefix(self, r: Request, tokens: int) -> list[int]:
         """The cached blocks holding r's first full blocks, as many as match within ``tokens`` tokens (a
         drafting request needs its drafter's context cached too)."""
-        scoring = r.params.prompt_logprobs is not None and len(r.prompt_logprobs or []) < len(r.prompt_ids)
-        if not self.prefix_caching or scoring:  # a prompt token to score is computed, not taken cached
+        if not self.prefix_caching or r.scores_prompt:  # a token to score is computed, not taken cached
             return []
         hit = []
         for key in self.keys(r, tokens // self.block_size):

@@ -36,11 +36,6 @@ log = logging.getLogger("ddtree.engine")
 SCORE_ROWS = 256  # prompt positions whose logprobs one LM-head call computes
 
 
-def scores_prompt(r: Request) -> bool:
-    """Whether ``r`` asked for its prompt's logprobs and has prompt tokens left to score."""
-    return r.params.prompt_logprobs is not None and len(r.prompt_logprobs or []) < len(r.prompt_ids)
-
-
 def moving(average: float | None, value: float, weight: float = 0.2) -> float:
     """An exponential moving average's next value (the first value starts it)."""
     return value if average is None else (1 - weight) * average + weight * value
@@ -156,7 +151,7 @@ class EngineCore:
         whose prefill ends gets its first token; a preempted one resumes with its last emitted token."""
         t0 = time.perf_counter()  # the last step ended with a sync: the device is not behind
         batch = [c.request for c in chunks]
-        scored = tuple(i for i, r in enumerate(batch) if scores_prompt(r))
+        scored = tuple(i for i, r in enumerate(batch) if r.scores_prompt)
         logits, features, hidden = self.runner.prefill(
             [
                 (r.prefill_ids[r.computed : r.computed + c.tokens], r.computed)

@@ -193,6 +193,13 @@ class Request:
         return self.method != "ar"
 
     @property
+    def scores_prompt(self) -> bool:
+        """It asked for its prompt's logprobs and has prompt tokens left to score (computed in the prefill,
+        so none of them may come from the prefix cache)."""
+        scored = len(self.prompt_logprobs or [])
+        return self.params.prompt_logprobs is not None and scored < len(self.prompt_ids)
+
+    @property
     def auto(self) -> bool:
         return self.budget == AUTO
 

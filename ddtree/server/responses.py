@@ -203,7 +203,7 @@ class _Answer:
         if not self.include_usage:
             return []
         chunk = self._chunk([], usage=self.usage())
-        chunk["ddtree"] = _dump(self.stats())
+        chunk["ddtree"] = dump_stats(self.stats())
         return [chunk]
 
     def _chunk(
@@ -412,12 +412,13 @@ def _chat_logprobs(infos: list[TokenInfo]) -> ChoiceLogprobs:
     )
 
 
-def _dump(stats: SpeculativeStats | None) -> dict | None:
+def dump_stats(stats: SpeculativeStats | None) -> dict | None:
+    """The ``ddtree`` object of a response, a chunk or a Responses API body."""
     return stats.model_dump(mode="json") if stats is not None else None
 
 
 def _with_stats(body: dict, stats: SpeculativeStats | None) -> dict:
     body.pop("ddtree", None)
     if stats is not None:
-        body["ddtree"] = _dump(stats)
+        body["ddtree"] = dump_stats(stats)
     return body

@@ -37,7 +37,7 @@ from ddtree.server.protocol import (
     _bounded,
     _Strict,
 )
-from ddtree.server.responses import ChatAnswer, MessageParsing
+from ddtree.server.responses import ChatAnswer, MessageParsing, dump_stats
 from ddtree.server.tool_parsers import ToolCallDelta
 
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=LargeBodyRoute)
@@ -409,16 +409,12 @@ class ResponsesAnswer(ChatAnswer):
             }
             if status != "in_progress"
             else None,
-            "ddtree": _stats(self.stats()),
+            "ddtree": dump_stats(self.stats()),
         }  # fmt: skip
 
 
 def _copy(item: dict) -> dict:
     return {k: ([dict(p) for p in v] if isinstance(v, list) else v) for k, v in item.items()}
-
-
-def _stats(stats) -> dict | None:
-    return None if stats is None else stats.model_dump(mode="json", exclude_none=True)
 
 
 @router.post("/responses", responses=ERRORS | STREAMED)

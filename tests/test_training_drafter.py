@@ -14,7 +14,9 @@ import torch
 
 from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
+from ddtree.model.loader import load_drafter
 from ddtree.request.params import SamplingParams
+from ddtree.speculative.dflash2 import DFlash2Drafter
 from ddtree.speculative.drafter import DFlashDrafter
 from ddtree.training import distill
 from ddtree.training.cli import register_drafter
@@ -23,13 +25,18 @@ from ddtree.training.drafter import (
     CHECKPOINT,
     DrafterConfig,
     block_inputs,
+    build_drafter,
     default_gamma,
     load_frozen_target,
     loss_weights,
     make_optimizer,
+    position_loss,
     resolve_mask_token_id,
     sample_anchors,
+    selector_loss,
+    start_from,
     target_features,
+    teacher_log_probs,
     train_drafter,
     train_step,
     training_mask,
@@ -360,3 +367,108 @@ def test_resume_continues_from_the_saved_step(
         train_drafter(
             target_dir, tmp_path / "out", DrafterConfig(**{**TOY, "block_size": 8}), resume=True, **common
         )
+
+
+# -- DFlash2 drafters and distillation of the target's distribution ---------------------------------------
+
+
+def test_kl_objective_is_the_divergence_from_the_targets_distribution() -> None:
+    """Oracle by hand: sum_v p(v) (log p(v) - log q(v)) per position; argmax is the label's cross-entropy."""
+    gen = torch.Generator().manual_seed(0)
+    logits, teacher_logits = torch.randn(3, 5, 7, generator=gen), torch.randn(3, 5, 7, generator=gen)
+    labels = torch.randint(0, 7, (3, 5), generator=gen)
+    p, q = teacher_logits.softmax(-1).double(), logits.softmax(-1).double()
+    expected = (p * (p.log() - q.log())).sum(-1)
+    kl = position_loss(logits, labels, torch.log_softmax(teacher_logits, -1))
+    torch.testing.assert_close(kl.double(), expected, rtol=1e-5, atol=1e-6)
+    same = position_loss(teacher_logits, labels, torch.log_softmax(teacher_logits, -1))
+    assert same.abs().max() < 1e-5  # a drafter that is the target has nothing left to learn
+    ce = -q.log().gather(-1, labels[..., None])[..., 0]
+    torch.testing.assert_close(position_loss(logits, labels, None).double(), ce, rtol=1e-5, atol=1e-6)
+
+
+def test_teacher_log_probs_come_from_the_position_before_each_label(target_dir: Path) -> None:
+    """The target's distribution for block position k is its output at anchor + k - 1, at the temperature."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 12, 5, generator=gen)
+    anchors = torch.tensor([[2, 6], [3, 5]])
+    positions = anchors[:, :, None] + torch.arange(4)
+    valid = torch.tensor([[True, False], [True, True]])
+    got = teacher_log_probs(logits, positions, valid, temperature=0.5)  # [3, 3, V]
+    rows = [(0, 2), (1, 3), (1, 5)]
+    for n, (b, anchor) in enumerate(rows):
+        for k in range(1, 4):
+            torch.testing.assert_close(got[n, k - 1], torch.log_softmax(logits[b, anchor + k - 1] / 0.5, -1))
+
+
+@pytest.fixture(scope="module")
+def dflash_dir(target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    target, _ = load_frozen_target(target_dir)
+    path = tmp_path_factory.mktemp("dflash")
+    tiny_drafter(target, block_size=4, num_layers=1).save_pretrained(path)
+    return path
+
+
+def test_dflash2_started_from_a_dflash_drafter_drafts_its_blocks(target_dir: Path, dflash_dir: Path) -> None:
+    """Identity convolutions: the DFlash2 drafter's block hidden states are the DFlash drafter's, bit for bit,
+    and it takes that drafter's shape whatever the flags say."""
+    target, _ = load_frozen_target(target_dir)
+    cfg = DrafterConfig(**{**TOY, "architecture": "dflash2", "num_layers": 3, "block_size": 8})
+    drafter, cfg = start_from(dflash_dir, cfg, target)
+    base = DFlashDrafter.from_pretrained(dflash_dir)
+    assert isinstance(drafter, DFlash2Drafter) and (cfg.num_layers, cfg.block_size) == (1, 4)
+    gen = torch.Generator().manual_seed(2)
+    embeds, features = (
+        torch.randn(2, 4, 64, generator=gen),
+        torch.randn(2, 9, 64 * len(base.target_layer_ids), generator=gen),
+    )
+    block, ctx = torch.arange(9, 13).expand(2, 4), torch.arange(9).expand(2, 9)
+    with torch.no_grad():
+        assert torch.equal(drafter(embeds, features, block, ctx), base(embeds, features, block, ctx))
+    with pytest.raises(DDTreeError, match="DFlash2 drafter: train it with --architecture dflash2"):
+        out = dflash_dir.parent / "as-dflash2"
+        drafter.save_pretrained(out)
+        start_from(out, DrafterConfig(**TOY), target)
+
+
+def test_selector_scores_the_true_predecessor_as_the_lattice_does(target_dir: Path) -> None:
+    """Training's teacher-forced edge (true token l - 1 -> candidates of l) is the lattice's edge from that
+    token wherever the true token is one of l - 1's candidates."""
+    target, _ = load_frozen_target(target_dir)
+    drafter = build_drafter(
+        target, DrafterConfig(**{**TOY, "architecture": "dflash2", "selector_top_k": 6}), MASK
+    )
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(5, 4, 64, generator=gen)  # [N, S, H]
+    logits = target.get_output_embeddings()(hidden[:, 1:])
+    ids, values = drafter.candidates(hidden, target.get_output_embeddings().weight)  # [N, 3, K]
+    # labels: the anchor, then each position's candidate number 2 (so every predecessor is a candidate)
+    labels = torch.cat((torch.randint(0, MASK, (5, 1), generator=gen), ids[:, :, 2]), dim=1)
+    lattice = drafter.edge_scores(hidden, ids, values, labels[:, 0])  # [N, 3, K, K]
+    loss, correct = selector_loss(drafter, hidden, logits, labels, None)
+    forced = drafter.candidate_selector(hidden[:, 1:], ids, values, labels[:, :-1, None])[:, :, 0]
+    torch.testing.assert_close(forced[:, 0], lattice[:, 0, 0])  # after the anchor: every row alike
+    torch.testing.assert_close(forced[:, 1:], lattice[:, 1:, 2])  # after candidate 2 of the position before
+    expected = -torch.log_softmax(forced, -1)[..., 2]
+    torch.testing.assert_close(loss, expected)
+    assert torch.equal(correct, forced.argmax(-1) == 2)
+
+
+def test_toy_dflash2_kl_run_learns_and_decodes_losslessly(
+    target_dir: Path, dflash_dir: Path, prompts_file: Path, toy_run: dict, tmp_path: Path
+) -> None:
+    """A DFlash2 drafter distilled from the target's distribution, started from a DFlash drafter: the loss
+    falls, it saves in the public DFlash2 format, loads as one, and decodes exactly the target's tokens."""
+    cfg = DrafterConfig(
+        **{**TOY, "steps": 40, "architecture": "dflash2", "objective": "kl", "init_from": str(dflash_dir)}
+    )
+    data = toy_run["base"] / "work" / "data.pt"
+    m = train_drafter(
+        target_dir, tmp_path / "out", cfg, prompts=prompts_file, work_dir=tmp_path, data_path=data
+    )
+    losses = [h[1] for h in m["history"]]
+    assert m["finished"] and sum(losses[-10:]) < 0.8 * sum(losses[:10])
+    assert m["eval"]["dflash"]["matches_ar"] and m["eval"]["ddtree"]["matches_ar"]
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["architectures"] == ["DFlash2DraftModel"] and saved["dflash_config"]["selector_top_k"] == 8
+    assert isinstance(load_drafter(tmp_path / "out"), DFlash2Drafter)

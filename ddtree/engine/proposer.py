@@ -40,8 +40,6 @@ class Proposer:
         self.runner = runner
         self.shapes = runner.shapes
         self.auto_max_budget = auto_max_budget
-        # When on, sampled rows build their tree from the drafter's distribution under the request's own
-        # sampling transform (verification is unchanged). Off by default: measured, it did not pay.
 
     def ingest(self, rows: list[Request], features: list[torch.Tensor]) -> None:
         """Give the drafter the prefilled chunks' target features ([T_i, F * H] per row, all consumed) now,

@@ -126,6 +126,15 @@ class GroupedDynamicConv(nn.Module):
         self.base_kernel = nn.Parameter(torch.zeros(2, taps, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * taps * self.groups, bias=False)
 
+    def identity_(self) -> GroupedDynamicConv:
+        """Make both sides the identity (one tap of weight 1, no correction): a layer wrapped so computes
+        what the DFlash layer it starts from does (training a DFlash2 drafter from a DFlash one)."""
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+        return self
+
     def convolve(self, y: torch.Tensor, coefficients: torch.Tensor, side: int) -> torch.Tensor:
         """y [B, S, H]; coefficients [B, S, taps, G] -> [B, S, H]."""
         b, s, h = y.shape
@@ -177,17 +186,22 @@ class CandidateSelector(nn.Module):
         hidden: torch.Tensor,  # [B, L, H] drafted positions' final hidden states
         candidate_ids: torch.Tensor,  # [B, L, K] int64
         candidate_logits: torch.Tensor,  # [B, L, K] their (scaled, capped) LM-head logits
-        anchor_ids: torch.Tensor,  # [B] the token before the first drafted position
+        previous_ids: torch.Tensor,  # [B, L, P] int64 predecessor tokens of each position
     ) -> torch.Tensor:
-        """Edge scores [B, L, K (predecessor), K (candidate)], float32; row l = 0's predecessors are all
-        the anchor."""
-        b, length, k = candidate_ids.shape
+        """Edge scores [B, L, P (predecessor), K (candidate)], float32. The lattice passes every candidate
+        of the position before (the anchor for l = 0); training passes the true previous token (P = 1)."""
         z = self.hidden_projection(hidden).float()  # [B, L, R]
-        previous = torch.cat((anchor_ids.view(b, 1, 1).expand(b, 1, k), candidate_ids[:, :-1]), dim=1)
-        modulated = self.predecessor_codebook[previous].float() * z[:, :, None]  # [B, L, K, R]
+        modulated = self.predecessor_codebook[previous_ids].float() * z[:, :, None]  # [B, L, P, R]
         successors = self.successor_codebook[candidate_ids].float()  # [B, L, K, R]
-        pair = torch.matmul(modulated, successors.transpose(-1, -2))  # [B, L, K, K]
+        pair = torch.matmul(modulated, successors.transpose(-1, -2))  # [B, L, P, K]
         return candidate_logits.float()[:, :, None, :] + pair
+
+    @staticmethod
+    def lattice_predecessors(candidate_ids: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """[B, L, K]: position l's predecessors are position l - 1's candidates; position 0's all the anchor
+        (``anchor_ids`` [B], the bonus tokens)."""
+        b, _, k = candidate_ids.shape
+        return torch.cat((anchor_ids.view(b, 1, 1).expand(b, 1, k), candidate_ids[:, :-1]), dim=1)
 
 
 class DFlash2Drafter(DFlashDrafter):
@@ -250,7 +264,8 @@ class DFlash2Drafter(DFlashDrafter):
     ) -> torch.Tensor:
         """Per-edge scores [B, S-1, K, K] (float32): [b, l, p, c] scores candidate c of drafted position
         l + 1 after candidate p of position l (the anchor for l = 0, every p alike)."""
-        return self.candidate_selector(hidden[:, 1:], candidate_ids, candidate_logits, anchor_ids)
+        previous = self.candidate_selector.lattice_predecessors(candidate_ids, anchor_ids)
+        return self.candidate_selector(hidden[:, 1:], candidate_ids, candidate_logits, previous)
 
     def edge_log_probs(self, *args: torch.Tensor) -> torch.Tensor:
         """``edge_scores`` normalized over the candidates: log q(c | p) at temperature 1."""
@@ -264,7 +279,8 @@ class DFlash2Drafter(DFlashDrafter):
         (the block less its bonus token), from the LM head's ``logits`` [B, L, V] as the engine has them
         (penalised, grammar-masked) and the bonus tokens ``anchors`` [B]."""
         values, ids = torch.topk(self.draft_logits(logits), self.settings.top_k, dim=-1)  # [B, L, K]
-        scores = self.candidate_selector(hidden, ids, values, anchors)  # [B, L, K, K]
+        previous = self.candidate_selector.lattice_predecessors(ids, anchors)  # [B, L, K]
+        scores = self.candidate_selector(hidden, ids, values, previous)  # [B, L, K, K]
         return ids, torch.log_softmax(scores, dim=-1)
 
     # -- checkpoint I/O in the public DFlash2 format --------------------------------------------------

@@ -89,7 +89,21 @@ DRAFTER_HELP = {
     "eval_prompt_len": "tokens per held-out prompt",
     "eval_new_tokens": "tokens generated per held-out prompt",
     "eval_budget": "ddtree budget of the final evaluation",
+    "architecture": "drafter family: dflash, or dflash2 (grouped convolutions and a candidate selector)",
+    "objective": "what the drafter learns of the target: argmax (its tokens) or kl (its whole "
+    "distribution at --distill-temperature)",
+    "distill_temperature": "temperature of the target distribution the kl objective distils",
+    "init_from": "start from this drafter directory (its shape wins: layers, block, feature layers, mask "
+    "token); dflash2 from a DFlash drafter starts as that drafter (identity convolutions)",
+    "conv_kernel_size": "dflash2: taps of the grouped dynamic convolution over the block",
+    "conv_group_size": "dflash2: channels per convolution group",
+    "selector_rank": "dflash2: rank of the candidate selector's codebooks",
+    "selector_top_k": "dflash2: candidates per block position the selector re-scores",
 }
+
+
+ARCHITECTURES = ("dflash", "dflash2")
+OBJECTIVES = ("argmax", "kl")
 
 
 @dataclass(frozen=True)
@@ -127,6 +141,15 @@ class DrafterConfig:
     eval_prompt_len: int = 64
     eval_new_tokens: int = 128
     eval_budget: int = 32
+    # the drafter family and the objective
+    architecture: str = "dflash"  # or "dflash2"
+    objective: str = "argmax"  # or "kl": the target's whole distribution
+    distill_temperature: float = 1.0
+    init_from: str = ""  # a drafter directory to start from; "" = fresh weights
+    conv_kernel_size: int = 4
+    conv_group_size: int = 32
+    selector_rank: int = 32
+    selector_top_k: int = 8
 
     def __post_init__(self) -> None:
         positive = (
@@ -144,8 +167,19 @@ class DrafterConfig:
             "eval_prompt_len",
             "eval_new_tokens",
             "eval_budget",
+            "distill_temperature",
+            "conv_kernel_size",
+            "conv_group_size",
+            "selector_rank",
+            "selector_top_k",
         )
         check_config(self, positive)
+        if self.architecture not in ARCHITECTURES:
+            raise DDTreeError(
+                f"architecture must be one of {', '.join(ARCHITECTURES)}, got {self.architecture!r}"
+            )
+        if self.objective not in OBJECTIVES:
+            raise DDTreeError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if self.block_size < 2:
             raise DDTreeError(f"block_size must be >= 2, got {self.block_size}")
         if self.prompt_min > self.prompt_max:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -31,7 +31,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ddtree.errors import DDTreeError
-from ddtree.model.loader import eos_token_ids, load_target
+from ddtree.model.loader import check_pair, eos_token_ids, load_drafter, load_target
+from ddtree.speculative.dflash2 import ARCHITECTURE as DFLASH2
+from ddtree.speculative.dflash2 import DFlash2Drafter, DFlash2Settings
 from ddtree.speculative.drafter import DFlashDrafter, dflash_config
 from ddtree.training.checkpoint import CHECKPOINT, SAVE_DTYPES, load_checkpoint, save_checkpoint
 from ddtree.training.configs import DrafterConfig
@@ -47,6 +49,7 @@ from ddtree.training.loop import autocast, lr_at, make_optimizer, progress, step
 DATA = "data.pt"
 METRICS = "training.json"
 MASK_TOKEN = "<|mask|>"
+SELECTOR_INIT = 0.1  # std of a fresh DFlash2 drafter's selector codebooks
 GAMMAS = {8: 4.0, 10: 5.0, 16: 7.0}  # DFlash's loss-decay constants per block size
 
 
@@ -166,8 +169,7 @@ def target_features(target, drafter: DFlashDrafter, ids: torch.Tensor) -> torch.
     layers = getattr(getattr(target, "model", None), "layers", None)
     deepest = max(drafter.target_layer_ids)
     if layers is None or deepest >= len(layers) - 1:
-        out = target(input_ids=ids, output_hidden_states=True, logits_to_keep=1, use_cache=False)
-        return drafter.select_features(out.hidden_states)
+        return target_outputs(target, drafter, ids, logits=False)[0]
     captured: dict[int, torch.Tensor] = {}
 
     def grab(index: int):
@@ -189,6 +191,29 @@ def target_features(target, drafter: DFlashDrafter, ids: torch.Tensor) -> torch.
     return torch.cat([captured[i] for i in drafter.target_layer_ids], dim=-1)
 
 
+@torch.no_grad()
+def target_outputs(
+    target, drafter: DFlashDrafter, ids: torch.Tensor, logits: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The features [B, T, F*H] and, with ``logits``, the target's logits [B, T, V] of every position (what
+    the kl objective distils): one full forward."""
+    out = target(input_ids=ids, output_hidden_states=True, logits_to_keep=0 if logits else 1, use_cache=False)
+    return drafter.select_features(out.hidden_states), out.logits if logits else None
+
+
+def teacher_log_probs(
+    target_logits: torch.Tensor,  # [B, T, V]
+    positions: torch.Tensor,  # [B, A, S] absolute positions of the block tokens
+    valid: torch.Tensor,  # [B, A]
+    temperature: float,
+) -> torch.Tensor:
+    """[N, S-1, V] log-probabilities the target gives block positions 1 .. S-1 of the valid blocks: the
+    token at position p is predicted by the target's output at p - 1, at ``temperature``."""
+    before = (positions[:, :, 1:] - 1)[valid]  # [N, S-1]
+    rows = torch.arange(target_logits.shape[0])[:, None, None].expand_as(positions[:, :, 1:])[valid]
+    return torch.log_softmax(target_logits[rows, before].float() / temperature, dim=-1)
+
+
 def drafter_loss(
     drafter: DFlashDrafter,
     embed: torch.nn.Module,
@@ -199,11 +224,17 @@ def drafter_loss(
     valid: torch.Tensor,  # [B, A]
     weights: torch.Tensor,  # [S]
     mask_token_id: int,
+    target_logits: torch.Tensor | None = None,  # [B, T, V]: distil the distribution (kl) instead of tokens
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted CE over all valid blocks, and (no grad) the blocks' mean greedy acceptance length.
+    """The weighted block loss over all valid blocks (plus a DFlash2 drafter's selector loss), and (no
+    grad) the blocks' mean greedy acceptance length.
 
-    The acceptance length of a block is 1 + the number of leading positions whose argmax is right: what
-    method ``dflash`` would accept on this sequence when its continuation was greedy.
+    Block loss: cross-entropy to the sequence's tokens, or with ``target_logits`` the KL divergence from
+    the target's distribution at ``temperature`` (at T > 0 a draft is accepted with the target's probability
+    of it, so the drafter should cover that whole distribution, not only its argmax). The acceptance length
+    of a block is 1 + the number of leading positions whose greedy draft is right: what method ``dflash``
+    would accept on this sequence when its continuation was greedy.
     """
     b, t = ids.shape
     s = drafter.block_size
@@ -211,18 +242,69 @@ def drafter_loss(
     mask = training_mask(anchors, s, t)
     ctx_positions = torch.arange(t)[None].expand(b, t)
     hidden = drafter(embed(tokens), features, positions, ctx_positions, mask=mask)  # [B, A*S, H]
-    hidden = hidden.view(b, anchors.shape[1], s, -1)[valid][:, 1:]  # [N, S-1, H]
-    labels = labels[valid][:, 1:]  # [N, S-1]
+    hidden = hidden.view(b, anchors.shape[1], s, -1)[valid]  # [N, S, H]
+    labels = labels[valid]  # [N, S]
     if labels.numel() == 0:
         return hidden.sum() * 0.0, torch.tensor(1.0)
-    logits = lm_head(hidden).float()  # [N, S-1, V]
-    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
-    w = weights[1:].to(ce.device)  # [S-1]
-    loss = (ce * w).sum() / (w.sum() * labels.shape[0])
+    logits = lm_head(hidden[:, 1:]).float()  # [N, S-1, V]
+    teacher = None
+    if target_logits is not None:
+        teacher = teacher_log_probs(target_logits, positions.view(b, -1, s), valid, temperature)
+    per_position = position_loss(logits, labels[:, 1:], teacher)  # [N, S-1]
+    w = weights[1:].to(per_position.device)  # [S-1]
+    loss = (per_position * w).sum() / (w.sum() * labels.shape[0])
+    if isinstance(drafter, DFlash2Drafter):
+        selector, correct = selector_loss(drafter, hidden, logits, labels, teacher)
+        loss = loss + (selector * w).sum() / (w.sum() * labels.shape[0])
+    else:
+        correct = logits.argmax(-1) == labels[:, 1:]  # [N, S-1]
     with torch.no_grad():
-        correct = (logits.argmax(-1) == labels).long()
-        accepted = correct.cumprod(-1).sum(-1).float().mean() + 1
+        accepted = correct.long().cumprod(-1).sum(-1).float().mean() + 1
     return loss, accepted
+
+
+def position_loss(
+    logits: torch.Tensor,  # [..., V] the drafter's
+    labels: torch.Tensor,  # [...] the sequence's tokens
+    teacher: torch.Tensor | None,  # [..., V] the target's log-probs (kl), or None (argmax)
+) -> torch.Tensor:
+    """Per-position loss [...]: cross-entropy to the label, or KL(teacher || drafter)."""
+    if teacher is None:
+        return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none").view_as(labels)
+    log_q = torch.log_softmax(logits, dim=-1)
+    return F.kl_div(log_q, teacher, log_target=True, reduction="none").sum(-1)
+
+
+def selector_loss(
+    drafter: DFlash2Drafter,
+    hidden: torch.Tensor,  # [N, S, H] block hidden states
+    logits: torch.Tensor,  # [N, S-1, V] LM-head logits of block positions 1 .. S-1
+    labels: torch.Tensor,  # [N, S] the block's tokens (position 0: the anchor)
+    teacher: torch.Tensor | None,  # [N, S-1, V] the target's log-probs, or None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidate selector's loss [N, S-1] and its greedy drafts' correctness [N, S-1] (no grad).
+
+    Teacher forcing: position l's predecessor is the true token l - 1, so the selector's edge scores over
+    l's top-K candidates learn q(token l | token l - 1), the quantity the lattice's trees add up. Argmax:
+    cross-entropy to the true token among the candidates (0 where it is not one). KL: to the target's
+    distribution restricted to the candidates. The greedy chain through the lattice (``dflash``) is right
+    at l exactly when every earlier position was and l's best-scored candidate is the true token.
+    """
+    values, candidates = torch.topk(drafter.draft_logits(logits), drafter.settings.top_k, dim=-1)  # [N, L, K]
+    previous = labels[:, :-1, None]  # [N, L, 1]
+    scores = drafter.candidate_selector(hidden[:, 1:], candidates, values, previous)[:, :, 0]  # [N, L, K]
+    target = labels[:, 1:]  # [N, L]
+    hit = candidates == target[..., None]  # [N, L, K]
+    if teacher is None:
+        present = hit.any(-1)
+        ce = F.cross_entropy(scores.flatten(0, 1), hit.float().argmax(-1).flatten(), reduction="none")
+        loss = ce.view_as(target) * present
+    else:
+        kept = torch.log_softmax(teacher.gather(-1, candidates), dim=-1)  # [N, L, K]
+        loss = F.kl_div(torch.log_softmax(scores, -1), kept, log_target=True, reduction="none").sum(-1)
+    with torch.no_grad():
+        correct = candidates.gather(-1, scores.argmax(-1, keepdim=True))[..., 0] == target
+    return loss, correct
 
 
 # -- building blocks of the run ------------------------------------------------------------------------
@@ -244,7 +326,8 @@ def resolve_mask_token_id(tokenizer, given: int, vocab_size: int) -> int:
 
 
 def build_drafter(target, cfg: DrafterConfig, mask_token_id: int) -> DFlashDrafter:
-    """A fresh drafter shaped like the target (hidden size must match: it shares embedding and LM head)."""
+    """A fresh drafter shaped like the target (hidden size must match: it shares embedding and LM head), of
+    ``cfg.architecture``; a DFlash2 drafter's convolutions start as the identity, so it starts as DFlash."""
     layers = target.config.num_hidden_layers
     ids = cfg.layer_ids()
     if ids is not None and not all(0 <= i < layers for i in ids):
@@ -257,7 +340,65 @@ def build_drafter(target, cfg: DrafterConfig, mask_token_id: int) -> DFlashDraft
         mask_token_id=mask_token_id,
         target_layer_ids=ids,
     )
-    return DFlashDrafter(config)
+    if cfg.architecture == "dflash":
+        return DFlashDrafter(config)
+    config.dflash_config |= dflash2_settings(cfg).config_entries()
+    config.architectures = [DFLASH2]
+    drafter = DFlash2Drafter(config)
+    for layer in drafter.layers:
+        layer.attention_conv.identity_()
+        layer.mlp_conv.identity_()
+    # Small random codebooks: the pair scores start near 0 (the lattice starts as the marginals), and
+    # unlike zeros (where each codebook's gradient is the other's value) they can learn.
+    selector = drafter.candidate_selector
+    for codebook in (selector.predecessor_codebook, selector.successor_codebook):
+        torch.nn.init.normal_(codebook, std=SELECTOR_INIT)
+    return drafter
+
+
+def dflash2_settings(cfg: DrafterConfig) -> DFlash2Settings:
+    return DFlash2Settings(cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k)
+
+
+def start_from(directory: Path, cfg: DrafterConfig, target) -> tuple[DFlashDrafter, DrafterConfig]:
+    """The drafter of ``cfg.architecture`` holding the weights of the drafter saved in ``directory`` (DFlash
+    or DFlash2), and ``cfg`` with that drafter's shape. DFlash weights in a DFlash2 drafter: everything but
+    the convolutions (identity) and the selector (fresh) is the saved drafter's."""
+    saved = load_drafter(directory).float()
+    check_pair(target, saved)
+    shape = dict(
+        num_layers=saved.config.num_hidden_layers,
+        block_size=saved.block_size,
+        target_layer_ids=",".join(map(str, saved.target_layer_ids)),
+        mask_token_id=saved.mask_token_id,
+    )
+    if isinstance(saved, DFlash2Drafter):
+        s = saved.settings
+        shape |= dict(
+            conv_kernel_size=s.taps,
+            conv_group_size=s.group_size,
+            selector_rank=s.rank,
+            selector_top_k=s.top_k,
+        )
+        if cfg.architecture == "dflash":
+            raise DDTreeError(
+                f"--init-from {directory} is a DFlash2 drafter: train it with --architecture dflash2"
+            )
+    cfg = replace(cfg, **shape)
+    drafter = build_drafter(target, cfg, saved.mask_token_id)
+    result = drafter.load_state_dict(saved.state_dict(), strict=False)
+    from_dflash = not isinstance(saved, DFlash2Drafter)
+    missing = [
+        k for k in result.missing_keys if "rotary_emb" not in k and not (from_dflash and _dflash2_only(k))
+    ]
+    if missing or result.unexpected_keys:
+        raise DDTreeError(f"--init-from {directory}: its weights do not fit (missing {missing[:3]})")
+    return drafter, cfg
+
+
+def _dflash2_only(key: str) -> bool:
+    """Whether a DFlash2 state-dict key has no DFlash counterpart."""
+    return key.startswith("candidate_selector.") or ".attention_conv." in key or ".mlp_conv." in key
 
 
 def _corpus_stream(tokenizer, split: str, root: Path | None) -> torch.Tensor:
@@ -329,12 +470,12 @@ def evaluate_tau(
 
 
 def _save_final(drafter: DFlashDrafter, out: Path, cfg: DrafterConfig) -> DFlashDrafter:
-    """Save in ``save_dtype`` (public DFlash format), reload in fp32: the returned drafter is what ships."""
-    config = drafter.config
-    shipped = DFlashDrafter(config)
+    """Save in ``save_dtype`` (public DFlash / DFlash2 format), reload in fp32: the returned drafter is what
+    ships."""
+    shipped = type(drafter)(drafter.config)
     shipped.load_state_dict(drafter.state_dict())
     shipped.to(SAVE_DTYPES[cfg.save_dtype]).save_pretrained(out)
-    return DFlashDrafter.from_pretrained(out, dtype=torch.float32)
+    return type(drafter).from_pretrained(out, dtype=torch.float32)
 
 
 # -- the run -------------------------------------------------------------------------------------------
@@ -365,7 +506,10 @@ def train_step(
     """
     anchors, valid = sample_anchors(lengths, prompt_lens, cfg.block_size, cfg.anchors, gen)  # [B, A]
     with autocast(cfg.bf16_autocast):
-        features = target_features(target, drafter, ids)  # [B, T, F*H]
+        if cfg.objective == "kl":
+            features, target_logits = target_outputs(target, drafter, ids)  # [B, T, F*H], [B, T, V]
+        else:
+            features, target_logits = target_features(target, drafter, ids), None
         loss, accepted = drafter_loss(
             drafter,
             target.get_input_embeddings(),
@@ -376,6 +520,8 @@ def train_step(
             valid,
             weights,
             drafter.mask_token_id,
+            target_logits,
+            cfg.distill_temperature,
         )
     loss.backward()
     torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
@@ -413,13 +559,16 @@ def train_drafter(
     if threads is not None:
         torch.set_num_threads(threads)
 
-    ckpt_path = work_dir / CHECKPOINT
-    state = load_checkpoint(ckpt_path, cfg, RUN_FIELDS) if resume else None
-
     model, tokenizer = load_frozen_target(target)
     vocab = model.get_input_embeddings().num_embeddings
-    mask_id = resolve_mask_token_id(tokenizer, cfg.mask_token_id, vocab)
-    drafter = build_drafter(model, cfg, mask_id)
+    if cfg.init_from:
+        drafter, cfg = start_from(Path(cfg.init_from), cfg, model)
+        mask_id = drafter.mask_token_id
+    else:
+        mask_id = resolve_mask_token_id(tokenizer, cfg.mask_token_id, vocab)
+        drafter = build_drafter(model, cfg, mask_id)
+    ckpt_path = work_dir / CHECKPOINT
+    state = load_checkpoint(ckpt_path, cfg, RUN_FIELDS) if resume else None  # cfg with the drafter's shape
     eos = eos_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
 

@@ -7,6 +7,7 @@ import logging
 
 import numpy as np
 import pytest
+import torch
 
 from ddtree.bench.cli import DEFAULT_BUDGETS
 from ddtree.cli import build_parser
@@ -64,7 +65,10 @@ def test_stretches_grow_past_the_doubling_cap_while_a_probe_costs_more_than_two_
 
 
 def test_the_builtin_pair_keeps_drafting_and_equals_ar():
-    engine = Engine.from_pretrained()
+    # float32: budget auto's trees follow measured timing, and in bfloat16 a tree of another shape can round
+    # a near-tie the other way (issue 44: bf16 kernels are not batch- or tree-invariant); a busy CI box
+    # changed the trees and one token of the 96. Exact equality is the claim, so it is tested where it holds.
+    engine = Engine.from_pretrained(dtype=torch.float32)
     params = SamplingParams(max_new_tokens=96)
     prompt = "def fibonacci(n):\n    "
     result = engine.generate(prompt, params)

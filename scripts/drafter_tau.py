@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 
 from ddtree import Engine, SamplingParams
-from ddtree.bench.prompts import BUILTIN_PROMPTS
+from ddtree.bench.prompts import load_prompts
 from ddtree.model.loader import DEFAULT_TARGET, load_drafter, load_target
 
 SETTINGS = {
@@ -71,8 +71,7 @@ def main() -> None:
         name, directory = item.split("=", 1)
         drafter = load_drafter(directory).float()
         engines[name] = Engine(target, drafter, tokenizer, method=args.method, budget=args.budget)
-    lines = BUILTIN_PROMPTS.read_text().splitlines()[: args.prompts]
-    prompts = [json.loads(line)["prompt"] for line in lines]
+    prompts = [p.text for p in load_prompts("builtin", args.prompts)]
     table: dict[str, dict[str, dict]] = {}
     for setting, base in SETTINGS.items():
         taus = {name: [] for name in engines}

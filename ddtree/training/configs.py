@@ -174,12 +174,9 @@ class DrafterConfig:
             "selector_top_k",
         )
         check_config(self, positive)
-        if self.architecture not in ARCHITECTURES:
-            raise DDTreeError(
-                f"architecture must be one of {', '.join(ARCHITECTURES)}, got {self.architecture!r}"
-            )
-        if self.objective not in OBJECTIVES:
-            raise DDTreeError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        for name, allowed in (("architecture", ARCHITECTURES), ("objective", OBJECTIVES)):
+            if getattr(self, name) not in allowed:
+                raise DDTreeError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.block_size < 2:
             raise DDTreeError(f"block_size must be >= 2, got {self.block_size}")
         if self.prompt_min > self.prompt_max:

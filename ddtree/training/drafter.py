@@ -250,12 +250,15 @@ def drafter_loss(
     teacher = None
     if target_logits is not None:
         teacher = teacher_log_probs(target_logits, positions.view(b, -1, s), valid, temperature)
-    per_position = position_loss(logits, labels[:, 1:], teacher)  # [N, S-1]
-    w = weights[1:].to(per_position.device)  # [S-1]
-    loss = (per_position * w).sum() / (w.sum() * labels.shape[0])
+    w = weights[1:].to(logits.device)  # [S-1]
+
+    def weighted(per_position: torch.Tensor) -> torch.Tensor:  # [N, S-1] -> the blocks' weighted mean
+        return (per_position * w).sum() / (w.sum() * labels.shape[0])
+
+    loss = weighted(position_loss(logits, labels[:, 1:], teacher))
     if isinstance(drafter, DFlash2Drafter):
         selector, correct = selector_loss(drafter, hidden, logits, labels, teacher)
-        loss = loss + (selector * w).sum() / (w.sum() * labels.shape[0])
+        loss = loss + weighted(selector)
     else:
         correct = logits.argmax(-1) == labels[:, 1:]  # [N, S-1]
     with torch.no_grad():
@@ -372,7 +375,8 @@ def start_from(directory: Path, cfg: DrafterConfig, target) -> tuple[DFlashDraft
         target_layer_ids=",".join(map(str, saved.target_layer_ids)),
         mask_token_id=saved.mask_token_id,
     )
-    if isinstance(saved, DFlash2Drafter):
+    from_dflash = not isinstance(saved, DFlash2Drafter)
+    if not from_dflash:
         s = saved.settings
         shape |= dict(
             conv_kernel_size=s.taps,
@@ -387,7 +391,6 @@ def start_from(directory: Path, cfg: DrafterConfig, target) -> tuple[DFlashDraft
     cfg = replace(cfg, **shape)
     drafter = build_drafter(target, cfg, saved.mask_token_id)
     result = drafter.load_state_dict(saved.state_dict(), strict=False)
-    from_dflash = not isinstance(saved, DFlash2Drafter)
     missing = [
         k for k in result.missing_keys if "rotary_emb" not in k and not (from_dflash and _dflash2_only(k))
     ]

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ddtree.errors import DDTreeError
+from ddtree.request.params import check_accept_thresholds
 from ddtree.speculative.sampling import inverse_cdf, walk_tree
 from ddtree.speculative.verify import Accepted, walk_paths
 
@@ -162,16 +163,10 @@ def tree_speculative_sampling_target_only(
     rows = torch.arange(bs, device=device)
     children = children_from_lists(retrive_next_token, retrive_next_sibling)
     finals = uniform_samples_for_final_sampling.float().to(device)
-    walk = walk_tree(
-        children,
-        candidates.long(),
-        lambda cur: target_probs[rows, cur],
-        uniform_samples.float(),
-        finals,
-        accept_index.shape[1],
-        threshold_single,
-        threshold_acc,
-    )
+    probs_at = lambda cur: target_probs[rows, cur]  # noqa: E731
+    coins, steps = uniform_samples.float(), accept_index.shape[1]
+    thresholds = check_accept_thresholds(threshold_single, threshold_acc)
+    walk = Accepted(*walk_tree(children, candidates.long(), probs_at, coins, finals, steps, *thresholds))
     tokens = kernel_scratch(children, candidates.long(), target_probs, draft_probs, finals, walk)
     write_verdicts(
         Accepted(walk.path, tokens, walk.lengths), predicts, accept_index, accept_token_num, retrive_index

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import ddtree.engine.verifier as verifier_module
+import ddtree.speculative.verify as verify_module
 from ddtree.engine import Engine
 from ddtree.model.kv_cache import pack_buffers
 from ddtree.request.params import SamplingParams
@@ -57,17 +58,21 @@ def test_greedy_matches_plain_decoding(pair):
     assert accepted_more_than_one > 50  # the tree path was exercised, not just the bonus token
 
 
-def test_greedy_head_taken_in_chunks_matches_plain_decoding(pair, monkeypatch):
-    """The greedy acceptance's LM head, a few nodes per call (as at a real vocabulary), changes nothing."""
+def test_greedy_trees_past_the_logits_bound_walk_and_match_plain_decoding(pair, monkeypatch):
+    """Where every node's logits at once would pass ``GREEDY_ENTRIES`` (as 16 rows of 257 nodes at a real
+    vocabulary do), the acceptance walks whatever the head's cost says, and emits plain greedy tokens."""
     target, drafter = pair
-    monkeypatch.setattr(verifier_module, "ARGMAX_CHUNK_ENTRIES", 5 * target.config.vocab_size)  # 5 nodes
+    monkeypatch.setattr(verifier_module, "GREEDY_ENTRIES", 5 * target.config.vocab_size)  # 5 nodes
+    walks = []
+    walk = verify_module.walk_paths
+    monkeypatch.setattr(verify_module, "walk_paths", lambda *a: walks.append(1) or walk(*a))
     params = SamplingParams(max_new_tokens=NEW)
     engine = Engine(target, drafter, budget=64, max_num_seqs=2)
-    monkeypatch.setattr(engine.runner, "head_floor_rows", 10**9)  # the head over all nodes, not the walk
+    monkeypatch.setattr(engine.runner, "head_floor_rows", 10**9)  # the cost alone: the head over all nodes
     results = engine.generate(PROMPTS[:2], params)
     for prompt, result in zip(PROMPTS[:2], results, strict=True):
         assert result.token_ids == hf_greedy(target, prompt, NEW)
-    assert any(n > 1 for r in results for n in r.stats.acceptance_lengths)
+    assert walks and any(n > 1 for r in results for n in r.stats.acceptance_lengths)
 
 
 @pytest.mark.parametrize("draft_dtype", [torch.float32, torch.bfloat16])

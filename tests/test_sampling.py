@@ -24,8 +24,9 @@ from ddtree.sglang import (
     compile_ddtree_retrieve,
     tree_speculative_sampling_target_only,
 )
-from ddtree.speculative.sampling import SamplingTensors, filtered_probs, sample_tree_batch
-from ddtree.speculative.tree import TreeSpec, build_tree_batch, draft_candidates
+from ddtree.speculative.sampling import SamplingTensors, TargetLaw, filtered_probs, walk_tree
+from ddtree.speculative.tree import PaddedTrees, TreeSpec, build_tree_batch, draft_candidates
+from ddtree.speculative.verify import tree_verdicts
 from tests.conftest import tree_from_parents
 from tests.oracles import (
     filtered_probs_reference,
@@ -438,9 +439,10 @@ def test_target_probs_always_keep_at_least_the_top_token():
 
 
 def test_the_filter_graphs_every_filter_on_changes_no_row_whose_filter_is_off():
-    """``sampled_probs`` (a bucket's graph: the LM head, then every filter on for every row) gives each row
-    of a mixed batch the distribution its own filters alone give it: top-k 0, top-p 1 and min-p 0 pass a
-    row unchanged; a row that uses a filter is filtered as alone. At a real vocabulary, with ties."""
+    """A bucket's law (``TargetLaw.of(..., every_filter=GRAPH_TOP_K)``: every filter on for every row, so one
+    graph serves any mix) gives each row of a mixed batch the distribution its own filters alone give it:
+    top-k 0, top-p 1 and min-p 0 pass a row unchanged; a row that uses a filter is filtered as alone. At
+    a real vocabulary, with ties."""
     gen = torch.Generator().manual_seed(5)
     vocab, hidden_size = 151936, 64
     weight = torch.randn(vocab, hidden_size, generator=gen) / 8
@@ -454,10 +456,9 @@ def test_the_filter_graphs_every_filter_on_changes_no_row_whose_filter_is_off():
         SamplingParams(temperature=0.6, top_k=20, top_p=0.9, min_p=0.05),
         SamplingParams(temperature=2.0, top_k=sampling_module.GRAPH_TOP_K),
     ]
-    batch = SamplingTensors.from_params(params)
-    tensors = (batch.temperature, batch.top_k, batch.top_p, batch.min_p)
-    got = sampling_module.sampled_probs(hidden, weight, None, *tensors, sampling_module.GRAPH_TOP_K)
+    law = TargetLaw.of(params, torch.zeros(6, 3), every_filter=sampling_module.GRAPH_TOP_K)
     logits = hidden @ weight.T  # [B, N, V]
+    got = filtered_probs(logits, law.sampling)
     for row, p in enumerate(params):
         alone = filtered_probs(logits[row : row + 1], SamplingTensors.from_params([p]))[0]  # [N, V]
         assert torch.equal(got[row] > 0, alone > 0), p
@@ -545,12 +546,18 @@ def _random_sampling_case(seed: int):
 
 
 def test_vectorised_tree_sampling_equals_the_scalar_walk():
-    """The contract function, the engine's batched entry point (given every node's row, or asking for the
-    visited nodes' rows with the trees' actual depth) and the scalar oracle agree exactly on predicts,
-    accept_index, accept_token_num and draft_probs over 400 random batches of device trees."""
+    """The contract function, the engine's acceptance under SGLang's rule (``tree_verdicts``: the head over
+    every node or along the walk, with the trees' actual depth or the drafted block's bound) and the
+    scalar oracle agree exactly on predicts, accept_index, accept_token_num and draft_probs over 400
+    random batches of device trees."""
     for seed in range(400):
         trees, probs, coins, final, thresholds = _random_sampling_case(seed)
         b, n = trees.tokens.shape
+        vocab = probs.shape[-1]
+        # What the engine's LM head gives through an identity head: logits whose law is these probs
+        logits = torch.where(probs > 0, probs.log(), -1e4)
+        law = TargetLaw.of([SamplingParams(temperature=1.0)] * b, coins, final, tuple(thresholds.values()))
+        probs = filtered_probs(logits, law.sampling)  # [B, N, V]
         steps = trees.depth + 1
         next_token, next_sibling = torch.full((b, n), -1), torch.full((b, n), -1)
         for i in range(b):
@@ -571,22 +578,20 @@ def test_vectorised_tree_sampling_equals_the_scalar_walk():
             outputs.append(out)
         (p0, a0, n0, d0), (p1, a1, n1, d1) = outputs
         assert torch.equal(a0, a1) and torch.equal(n0, n1) and torch.equal(d0, d1), seed
-        rows = torch.arange(b)
-        visited = sample_tree_batch(
-            trees.read_depth(),
-            lambda cur, probs=probs, rows=rows: probs[rows, cur],
-            coins,
-            final,
-            **thresholds,
-        )
-        for batched in (sample_tree_batch(trees, probs, coins, final, **thresholds), visited):
+        padded = PaddedTrees(trees.tokens, trees.depths, trees.parents, trees.device_sizes())
+        engine = [
+            tree_verdicts(logits, torch.eye(vocab), None, padded, law, depth, trees.branching, walk)
+            for walk in (False, True)
+            for depth in (trees.read_depth().depth, trees.depth)
+        ]
+        for path, tokens, lengths in engine:
             for i in range(b):
                 m = int(n0[i]) + 1
                 slots = a0[i, :m].long()
                 assert torch.equal(p0[slots], p1[slots]), seed
-                assert int(batched.lengths[i]) == m
-                assert (batched.path[i, :m] + i * n).tolist() == slots.tolist()
-                assert batched.tokens[i, :m].tolist() == p0[slots].tolist()
+                assert int(lengths[i]) == m
+                assert (path[i, :m] + i * n).tolist() == slots.tolist()
+                assert tokens[i, :m].tolist() == p0[slots].tolist()
 
 
 def test_kernel_accepts_sglangs_deterministic_argument():
@@ -672,8 +677,9 @@ def test_batched_tree_sampling_emits_the_filtered_target_at_a_vocabulary_of_a_th
     logits[0, :, one.tokens[0, 1:]] += 7.0  # drafted tokens likely: walks go deep
     probs = filtered_probs(logits, SamplingTensors.from_params([params]))  # [1, N, V]
     trees = one.select([0] * rows)
-    out = sample_tree_batch(trees, probs.expand(rows, -1, -1), torch.rand(rows, n, generator=gen),
-                            torch.rand(rows, generator=gen))  # fmt: skip
+    coins, finals = torch.rand(rows, n, generator=gen), torch.rand(rows, generator=gen)
+    _, tokens, lengths = walk_tree(trees.children(), trees.tokens, probs[0].__getitem__, coins, finals,
+                                   trees.depth + 1, 1.0, 1.0)  # fmt: skip
 
     def g_test(observed: torch.Tensor, law: torch.Tensor) -> float:
         law = law.double() / law.double().sum()
@@ -684,10 +690,10 @@ def test_batched_tree_sampling_emits_the_filtered_target_at_a_vocabulary_of_a_th
         assert obs[~keep].sum() == 0  # nothing emitted where the law has no mass
         return power_divergence(obs[keep], exp[keep], lambda_="log-likelihood").pvalue
 
-    first = out.tokens[:, 0]
+    first = tokens[:, 0]
     assert g_test(torch.bincount(first, minlength=vocab), probs[0, 0]) > 1e-3
     top = int(torch.bincount(first, minlength=vocab).argmax())
     child = [j for j in range(1, n) if int(one.parents[0, j]) == 0 and int(one.tokens[0, j]) == top]
     if child:  # the second token after an accepted draft follows that node's row
-        second = out.tokens[(first == top) & (out.lengths > 1), 1]
+        second = tokens[(first == top) & (lengths > 1), 1]
         assert g_test(torch.bincount(second, minlength=vocab), probs[0, child[0]]) > 1e-3

@@ -3,10 +3,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ddtree.sglang import DraftTree
-from ddtree.speculative.tree import TreeSpec, build_tree_batch, draft_candidates
-from ddtree.speculative.verify import accept_greedy, walk_greedy
+from ddtree.speculative.tree import PaddedTrees, TreeSpec, build_tree_batch, draft_candidates
+from ddtree.speculative.verify import tree_verdicts, walk_paths
 from tests.conftest import tree_from_parents
 from tests.oracles import build_ddtree_tree, follow_verified_tree, tree_row
 
@@ -65,8 +66,9 @@ def test_greedy_walk_asks_the_target_only_about_the_nodes_it_accepts():
 
 
 def test_batched_greedy_acceptance_equals_the_scalar_walk():
-    """accept_greedy and walk_greedy (the head asked at visited nodes only) over whole batches of device
-    trees against follow_verified_tree row by row, with
+    """The acceptance over every node and along the walk (the head asked at visited nodes only, once a
+    level and once for the bonus) over whole batches of device trees against follow_verified_tree row by
+    row, with
     targets that agree with some child most of the time (deep walks) and budgets from 0 to 64."""
     for seed in range(200):
         gen = torch.Generator().manual_seed(seed)
@@ -84,10 +86,18 @@ def test_batched_greedy_acceptance_equals_the_scalar_walk():
             asked.append(cur)
             return argmax[rows, cur]
 
-        walked = walk_greedy(trees.read_depth(), argmax_at)
-        assert len(asked) == int(trees.depths.max()) + 1  # one head call a level, one for the bonus
-        for got in (accept_greedy(trees, argmax), walked):
+        depth = int(trees.depths.max())
+        walked = walk_paths(trees.tokens, trees.children(), argmax_at, depth)
+        assert len(asked) == depth + 1  # one head call a level, one for the bonus
+        padded = PaddedTrees(trees.tokens, trees.depths, trees.parents, trees.device_sizes())
+        hidden = F.one_hot(argmax, vocab).float()  # [B, N, V]: through an identity head, argmax's logits
+        heads = [
+            tree_verdicts(hidden, torch.eye(vocab), None, padded, None, bound, trees.branching, walk)
+            for walk in (False, True)
+            for bound in (depth, trees.depth)  # the actual depth, or the bound a bucket knows
+        ]
+        for path, emitted, lengths in (walked, *heads):
             for i in range(b):
                 nodes, tokens = follow_verified_tree(tree_row(trees, i), argmax[i].tolist().__getitem__)
-                m = int(got.lengths[i])
-                assert (got.path[i, :m].tolist(), got.tokens[i, :m].tolist()) == (nodes, tokens)
+                m = int(lengths[i])
+                assert (path[i, :m].tolist(), emitted[i, :m].tolist()) == (nodes, tokens)

@@ -2,7 +2,7 @@
 (and a host-side dispatch), so this is the launch count that capturing a round removes or leaves.
 
 A ``TorchDispatchMode`` counts the aten calls a step makes (views, which launch nothing, left out). The two
-forwards, and the round's graphs (tree, verify inputs, sampling filters, acceptance, KV pack) where they are
+forwards, and the round's graphs (tree, verify inputs, acceptance, KV pack) where they are
 compiled, count as one call each: they run with the counter popped, so a compiled function still runs
 compiled.
 """
@@ -15,15 +15,7 @@ from collections.abc import Callable
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 
 FORWARDS = ("verify_forward", "draft_forward")
-ROUND_GRAPHS = (
-    "tree_graph",
-    "inputs_graph",
-    "greedy_graph",
-    "filter_graph",
-    "keyed_graph",
-    "sample_graph",
-    "pack_graph",
-)
+ROUND_GRAPHS = ("tree_graph", "inputs_graph", "accept_graph", "pack_graph")
 
 
 class OpCounter(TorchDispatchMode):

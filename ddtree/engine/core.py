@@ -24,11 +24,11 @@ from ddtree.engine.proposer import Proposer
 from ddtree.engine.request import Request, StepOutput, StreamDelta
 from ddtree.engine.scheduler import Chunk, Scheduler
 from ddtree.engine.step_channel import TensorParallelError
-from ddtree.engine.verifier import SAMPLE_ENTRIES, Verifier, VerifyBatch
+from ddtree.engine.verifier import Verifier, VerifyBatch
 from ddtree.request.logprobs import TokenLogprobs, token_logprobs
 from ddtree.request.params import SamplingParams
+from ddtree.speculative.sampling import GRAPH_TOP_K, TargetLaw
 from ddtree.speculative.tree import PaddedTrees, TreeShape, beam_plan, draft_candidates
-from ddtree.speculative.verify import Accepted
 
 log = logging.getLogger("ddtree.engine")
 
@@ -310,12 +310,12 @@ class EngineCore:
             trees = [torch.zeros(b, 1, dtype=torch.int64, device=device) for _ in range(3)]
         padded = PaddedTrees(*trees, sizes)
         shapes.inputs_graph(padded, sizes + 1, runner.cache.scratch, shapes.tree_depth(n))
-        verdicts = Accepted(*self.verifier.greedy_padded(padded, hidden, vocab))
-        self.verifier.pack(verdicts.head(b), batch)
-        if b * n * vocab <= SAMPLE_ENTRIES:
-            probs = self.verifier.padded_probs([SamplingParams(temperature=1.0)] * b, hidden)  # [Bp, Np, V]
-            coins = torch.zeros(b, n, device=device)
-            if self.verifier.keyed:
-                shapes.keyed_graph(padded, probs, coins, shapes.tree_depth(n))
-            else:
-                self.verifier.sample_padded(padded, probs, coins, coins[:, 0].contiguous(), vocab)
+        verifier, depth = self.verifier, shapes.tree_depth(n)
+        verdicts = verifier.decide(shapes.accept_graph, padded, hidden, None, depth, vocab)  # greedy rows
+        verifier.pack(verdicts.head(b), batch)
+        coins = torch.zeros(b, n, device=device)  # with a sampled row: the law a real round builds
+        finals = None if verifier.keyed else coins[:, 0].contiguous()
+        thresholds = (verifier.threshold_single, verifier.threshold_acc)
+        sampled = [SamplingParams(temperature=1.0)] * b
+        law = TargetLaw.of(sampled, coins, finals, thresholds, min(GRAPH_TOP_K, vocab))
+        verifier.decide(shapes.accept_graph, padded, hidden, law, depth, vocab)

@@ -1,10 +1,11 @@
 """The shapes a round is padded to, and the round's work beside the forwards at those shapes.
 
-Without fixed shapes a round takes the batch's own shapes and its six functions run eagerly. With them
+Without fixed shapes a round takes the batch's own shapes and its four functions run eagerly. With them
 (``EngineConfig.fixed``) rows pad to a batch bucket, trees to a node bucket and attention to a span bucket
-(``ddtree.model.capture``), and with ``compile`` each function (tree, verify inputs, greedy verdicts,
-filters, sampled verdicts, KV pack) is compiled to one graph per bucket: vLLM's cudagraph dispatcher
-beside its runner. The forwards themselves stay the ``ModelRunner``'s.
+(``ddtree.model.capture``), and with ``compile`` each function (tree, verify inputs, acceptance, KV pack)
+is compiled to one graph per bucket (the acceptance: one for greedy batches, one for batches with a
+sampled row): vLLM's cudagraph dispatcher beside its runner. The forwards themselves stay the
+``ModelRunner``'s.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ from ddtree.model.attention import PagedBlockMask
 from ddtree.model.capture import StaticInputs, batch_ladder, check_buckets, compile_forward, node_ladder, pick
 from ddtree.model.kv_cache import PagedKVCache, pack_buffers
 from ddtree.request.params import check_budget
-from ddtree.speculative.sampling import keyed_verdicts, sample_verdicts, sampled_probs
 from ddtree.speculative.tree import beam_tree
-from ddtree.speculative.verify import greedy_verdicts, tree_inputs
+from ddtree.speculative.verify import tree_inputs, tree_verdicts
 
 
 class RoundShapes:
@@ -48,9 +48,7 @@ class RoundShapes:
         self.attention = "sdpa"
         self.block_masks: dict[tuple[int, int, int], PagedBlockMask] = {}  # (pool, rows, queries) -> mask
         self.tree_graph, self.inputs_graph = beam_tree, tree_inputs
-        self.greedy_graph, self.keyed_graph, self.pack_graph = greedy_verdicts, keyed_verdicts, pack_buffers
-        self.sample_graph = sample_verdicts  # SGLang's sibling-order rule: lossy thresholds only
-        self.filter_graph = sampled_probs
+        self.accept_graph, self.pack_graph = tree_verdicts, pack_buffers
 
     def setup(self, config: EngineConfig, deepest: int) -> int:
         """Choose the buckets (``deepest``: the most drafted nodes a configured tree asks for) and, with
@@ -74,18 +72,12 @@ class RoundShapes:
             return 0
         if self.device.type != "cpu" or capture.COMPILE_ROUND_ON_CPU:
             rounds = len(self.batch_buckets) * len(self.node_buckets)
-            lossy = config.accept_threshold_single < 1 or config.accept_threshold_acc < 1
-            graphs = (beam_tree, tree_inputs, greedy_verdicts, sampled_probs, keyed_verdicts, pack_buffers)
-            (
-                self.tree_graph,
-                self.inputs_graph,
-                self.greedy_graph,
-                self.filter_graph,
-                self.keyed_graph,
-                self.pack_graph,
-            ) = (compile_forward(fn, self.device, rounds, cuda_graphs=False) for fn in graphs)
-            if lossy:
-                self.sample_graph = compile_forward(sample_verdicts, self.device, rounds, cuda_graphs=False)
+            graphs = (beam_tree, tree_inputs, tree_verdicts, pack_buffers)
+            shapes = (rounds, rounds, 2 * rounds, rounds)  # the acceptance: greedy, and with a sampled row
+            self.tree_graph, self.inputs_graph, self.accept_graph, self.pack_graph = (
+                compile_forward(fn, self.device, n, cuda_graphs=False)
+                for fn, n in zip(graphs, shapes, strict=True)
+            )
             self.round_compiled = True
         return len(self.batch_buckets) * len(self.node_buckets) * len(self.span_buckets)
 

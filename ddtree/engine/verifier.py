@@ -8,6 +8,7 @@ in one copy. ``Scheduler.update_from_output`` writes them into the requests.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,18 +21,13 @@ from ddtree.request.logprobs import TokenLogprobs, token_logprobs
 from ddtree.request.params import SamplingParams
 from ddtree.request.penalties import NodePenalties
 from ddtree.speculative.coins import coins_at
-from ddtree.speculative.sampling import (
-    GRAPH_TOP_K,
-    SamplingTensors,
-    filtered_probs,
-    inverse_cdf,
-    sample_tree_batch,
-)
+from ddtree.speculative.sampling import GRAPH_TOP_K, TargetLaw, emitted
 from ddtree.speculative.tree import PaddedTrees, TreeBatch
-from ddtree.speculative.verify import Accepted, accept_greedy, ancestor_mask, walk_greedy
+from ddtree.speculative.verify import Accepted, ancestor_mask, tree_verdicts
 
-ARGMAX_CHUNK_ENTRIES = 1 << 24  # logits per LM-head call of the greedy acceptance (64 MB in float32)
-SAMPLE_ENTRIES = 1 << 26  # at most this many filtered probabilities at once (256 MB in float32)
+# The most the acceptance takes at once over every node; past it, the LM head follows the walk.
+GREEDY_ENTRIES = 1 << 24  # logits (64 MB in float32)
+SAMPLE_ENTRIES = 1 << 26  # filtered probabilities (256 MB in float32)
 
 
 @dataclass
@@ -88,7 +84,8 @@ class Verifier:
         self.keyed = threshold_single >= 1.0 and threshold_acc >= 1.0
 
     def first_tokens(self, logits: torch.Tensor, batch: list[Request]) -> list[int]:
-        """The first token of each request, straight from the prefill logits [B, V]."""
+        """The first token of each request, straight from the prefill logits [B, V], by the rule that
+        accepts tree nodes (``TargetLaw``): the argmax, or the sample at the coin of output position 0."""
         if any(r.grammar is not None for r in batch):
             from ddtree.request.grammar import mask_next  # xgrammar: only for engines that serve it
 
@@ -97,22 +94,21 @@ class Verifier:
             rows = torch.arange(len(batch), device=logits.device)
             penalties = NodePenalties(batch, None, logits.shape[-1], logits.device)
             logits = penalties(logits, rows, torch.zeros_like(rows))
-        tokens = logits.argmax(dim=-1)  # [B]
-        sampled = [i for i, r in enumerate(batch) if not r.params.greedy]
-        if sampled:
+        law = None
+        if not all(r.params.greedy for r in batch):
             device = logits.device
-            sampling = SamplingTensors.from_params([batch[i].params for i in sampled], device)
-            probs = filtered_probs(logits[sampled][:, None], sampling)[:, 0]  # [S, V]
             if self.keyed:
-                keys, positions = key_positions([batch[i] for i in sampled], device)
-                coins = coins_at(keys, positions)  # [S]
-            else:
+                coins = coins_at(*key_positions(batch, device))  # [B]
+            else:  # SGLang's rule: a coin from each sampled row's generator
+                zero = torch.zeros((), device=device)
                 coins = torch.stack(
-                    [torch.rand((), generator=batch[i].generator, device=device) for i in sampled]
-                )  # [S]
-            at = upload(np.asarray(sampled, dtype=np.int64), device)
-            tokens = tokens.index_copy(0, at, inverse_cdf(probs, coins))
-        return tokens.tolist()
+                    [
+                        zero if r.params.greedy else torch.rand((), generator=r.generator, device=device)
+                        for r in batch
+                    ]
+                )  # [B]
+            law = TargetLaw.of([r.params for r in batch], coins[:, None])
+        return emitted(logits[:, None], law, None if law is None else law.coins)[:, 0].tolist()
 
     def inputs(
         self, rows: list[Request], trees: TreeBatch | None, shape: tuple[int, int, int] | None = None
@@ -168,119 +164,71 @@ class Verifier:
     def accept(
         self, rows: list[Request], trees: TreeBatch, hidden: torch.Tensor, padded: torch.Tensor | None = None
     ) -> Accepted:
-        """Every row's verdict on the device, from the final hidden states [B, N, H]: a node is accepted
-        when its token is what the target emits at its parent: the argmax for greedy rows, for sampled rows
-        the sample at the coin of that output position (``coins.coins_at``: the same coin alone, in a
-        batch, in any tree), or with lossy thresholds SGLang's tree rejection sampling.
+        """Every row's verdict on the device, from the final hidden states [B, N, H], by the one acceptance
+        (``verify.tree_verdicts``): a node is accepted when its token is what the target emits at its
+        parent, the argmax for greedy rows, for sampled rows the sample at the coin of that output position
+        (``coins.coins_at``: the same coin alone, in a batch, in any tree), or with lossy thresholds
+        SGLang's tree rejection sampling.
 
-        The LM head runs either over every node at once or, one depth at a time, over each row's current
-        node only (``visit_nodes``); both give the same verdicts. With fixed shapes (``padded``: the
-        forward's whole output [Bp, Np, H]) a batch of greedy rows or of sampled rows is accepted by its
-        bucket's graph (``accept_padded``)."""
-        if padded is not None and trees.padded is not None:
-            accepted = self.accept_padded(rows, trees, padded)
-            if accepted is not None:
-                return accepted
-        trees = trees.read_depth()  # the round's second host read, while the verify forward runs
-        masks = tree_grammar_masks(rows, trees)  # [B, N, W] or None (no structured-output row)
-        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-        parts = []
-        for group in (greedy, sampled):
-            if not group:
-                continue
-            whole = len(group) == len(rows)
-            sub = trees if whole else trees.select(group)
-            states = hidden if whole else hidden[group]  # [G, N, H]
-            allowed = None if masks is None else masks if whole else masks[group]  # [G, N, W]
-            node = NodeLogits(allowed, self._penalties([rows[i] for i in group], sub), sub.tokens.shape[1])
-            if group is greedy:
-                parts.append((group, self._greedy(sub, states, node)))
-            else:
-                parts.append((group, self._sample(rows, group, sub, states, node)))
-        if len(parts) == 1:
-            return parts[0][1]
-        b, steps, device = len(rows), trees.depth + 1, hidden.device
-        out = Accepted(
-            path=torch.zeros(b, steps, dtype=torch.int64, device=device),
-            tokens=torch.zeros(b, steps, dtype=torch.int64, device=device),
-            lengths=torch.zeros(b, dtype=torch.int64, device=device),
-        )
-        for group, part in parts:
-            at = upload(np.asarray(group, dtype=np.int64), device)
-            for name in ("path", "tokens", "lengths"):
-                getattr(out, name).index_copy_(0, at, getattr(part, name))
-        return out
+        With fixed shapes (``padded``: the forward's whole output [Bp, Np, H]) the bucket's trees go
+        through its graph, the depth bound fixed by the bucket, with no host read. What a graph does not
+        hold (structured outputs, penalties, a top-k past ``GRAPH_TOP_K``), and every round without fixed
+        shapes, runs the same function eagerly over exactly the batch ([B, N]), its steps the trees' depth
+        (the round's second host read, while the verify forward runs)."""
+        node = self.node_logits(rows, trees)
+        compiled, vocab = self.shapes.round_compiled, self.runner.lm_head.weight.shape[0]
+        too_wide = compiled and max((r.params.top_k for r in rows), default=0) > GRAPH_TOP_K
+        graph = padded is not None and trees.padded is not None and node is None and not too_wide
+        if graph:
+            p, states, accept = trees.padded, padded, self.shapes.accept_graph
+            depth = self.shapes.tree_depth(p.tokens.shape[1])
+        else:
+            trees = trees.read_depth()
+            p = PaddedTrees(trees.tokens, trees.depths, trees.parents, trees.device_sizes())
+            states, accept, depth = hidden, tree_verdicts, trees.depth
+        law = self.law(rows, trees.sizes, p, min(GRAPH_TOP_K, vocab) if graph and compiled else 0)
+        accepted = self.decide(accept, p, states, law, depth, trees.branching, node)
+        return accepted.head(len(rows)) if graph else accepted
 
-    def accept_padded(self, rows: list[Request], trees: TreeBatch, hidden: torch.Tensor) -> Accepted | None:
-        """The verdicts of a fixed-shape round from its bucket's graph (hidden [Bp, Np, H]), with no host
-        read: the walk takes the bucket's depth bound in steps (``RoundShapes.tree_depth``; steps past a
-        tree's last level change nothing), and the choice between the head over every node and the walk
-        is fixed per bucket. None (the general path) for what a graph does not hold: a mix of greedy and
-        sampled rows, grammars, penalties, sampled distributions past ``SAMPLE_ENTRIES``."""
-        if any(r.grammar is not None or r.penalties is not None for r in rows):
-            return None
-        greedy = {r.params.greedy for r in rows}
-        if len(greedy) > 1:
-            return None
-        p, b, device = trees.padded, len(rows), hidden.device
-        bp, n = p.tokens.shape
+    def decide(
+        self,
+        accept: Callable,
+        trees: PaddedTrees,
+        hidden: torch.Tensor,
+        law: TargetLaw | None,
+        depth: int,
+        branching: int,
+        node: NodeLogits | None = None,
+    ) -> Accepted:
+        """``accept`` (``tree_verdicts``, or a bucket's graph of it) over trees [G, N] and their hidden
+        states [G, N, H], choosing the LM head's way (``visit_nodes``) and the children table's width:
+        both fixed per bucket, so one graph a bucket and law kind."""
+        g, n = trees.tokens.shape
         head = self.runner.lm_head
-        if greedy == {True}:
-            return Accepted(*self.greedy_padded(p, hidden, trees.branching)).head(b)
-        if bp * n * head.weight.shape[0] > SAMPLE_ENTRIES:
+        too_big = g * n * head.weight.shape[0] > (GREEDY_ENTRIES if law is None else SAMPLE_ENTRIES)
+        walk = self.visit_nodes(g, n, depth, too_big)
+        branching = max(1, min(n - 1, branching))  # what the children table holds
+        return Accepted(*accept(hidden, head.weight, head.bias, trees, law, depth, branching, walk, node))
+
+    def law(
+        self, rows: list[Request], sizes: np.ndarray, trees: PaddedTrees, every_filter: int = 0
+    ) -> TargetLaw | None:
+        """What the target emits at each node of these trees ([Bp, Np]; rows past ``rows``: dummies,
+        greedy), or None when every row is greedy: the rows' sampling parameters and their coins, the
+        position-keyed ones or, with lossy thresholds, SGLang's from each sampled row's generator
+        (``sizes``: each row's nodes, on the host). ``every_filter``: ``TargetLaw.of``'s."""
+        if all(r.params.greedy for r in rows):
             return None
-        params = [r.params for r in rows]
-        probs = self.padded_probs(params + params[:1] * (bp - b), hidden)  # [Bp, Np, V]
-        if probs is None:
-            return None
+        device = trees.tokens.device
+        bp, n = trees.tokens.shape
+        params = [r.params for r in rows] + [SamplingParams()] * (bp - len(rows))
+        thresholds = (self.threshold_single, self.threshold_acc)
         if self.keyed:
             keys, positions = key_positions(rows, device, bp)
-            coins = coins_at(keys[:, None], positions[:, None] + p.depths)  # [Bp, Np]
-            return Accepted(*self.shapes.keyed_graph(p, probs, coins, self.shapes.tree_depth(n))).head(b)
-        coins, finals = tree_coins(rows, trees.sizes, (bp, n), device)
-        return Accepted(*self.sample_padded(p, probs, coins, finals, trees.branching)).head(b)
-
-    def greedy_padded(
-        self, trees: PaddedTrees, hidden: torch.Tensor, branching: int
-    ) -> tuple[torch.Tensor, ...]:
-        """Greedy verdicts of padded trees through their bucket's graph (``verify.greedy_verdicts``)."""
-        shapes, head, (bp, n) = self.shapes, self.runner.lm_head, trees.tokens.shape
-        depth = shapes.tree_depth(n)
-        # All nodes at once (one graph: no chunks) only within ARGMAX_CHUNK_ENTRIES
-        walk = self.visit_nodes(bp, n, depth, bp * n * head.weight.shape[0] > ARGMAX_CHUNK_ENTRIES)
-        branching = max(1, min(n - 1, branching))  # what the children table holds: one graph a bucket
-        return shapes.greedy_graph(hidden, head.weight, head.bias, trees, depth, branching, walk)
-
-    def padded_probs(self, params: list[SamplingParams], hidden: torch.Tensor) -> torch.Tensor | None:
-        """The filtered target distributions of a padded batch (``params``: one per row, dummies included;
-        hidden [Bp, Np, H]) -> [Bp, Np, V]. With the round compiled, the bucket's graph with every filter on
-        (``sampling.sampled_probs``; None past its top-k, for the eager path); eagerly, only the filters some
-        row uses."""
-        shapes, head = self.shapes, self.runner.lm_head
-        sampling = SamplingTensors.from_params(params, hidden.device)
-        if not shapes.round_compiled:
-            return filtered_probs(head(hidden), sampling)
-        if sampling.max_top_k > GRAPH_TOP_K:
-            return None
-        tensors = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
-        kmax = min(GRAPH_TOP_K, head.weight.shape[0])
-        return shapes.filter_graph(hidden, head.weight, head.bias, *tensors, kmax)
-
-    def sample_padded(
-        self,
-        trees: PaddedTrees,
-        probs: torch.Tensor,
-        coins: torch.Tensor,
-        finals: torch.Tensor,
-        branching: int,
-    ) -> tuple[torch.Tensor, ...]:
-        """Tree rejection sampling of padded trees through their bucket's graph (``sample_verdicts``)."""
-        n = trees.tokens.shape[1]
-        depth, branching = self.shapes.tree_depth(n), max(1, min(n - 1, branching))
-        return self.shapes.sample_graph(
-            trees, probs, coins, finals, depth, branching, self.threshold_single, self.threshold_acc
-        )
+            coins = coins_at(keys[:, None], positions[:, None] + trees.depths)  # [Bp, Np]: a node's position
+            return TargetLaw.of(params, coins, None, thresholds, every_filter)
+        coins, finals = tree_coins(rows, sizes, (bp, n), device)
+        return TargetLaw.of(params, coins, finals, thresholds, every_filter)
 
     def visit_nodes(self, g: int, n: int, depth: int, too_big: bool = False) -> bool:
         """Whether the LM head should follow the walk (``depth`` + 1 calls over the G rows' current nodes)
@@ -288,63 +236,20 @@ class Verifier:
 
         A head call costs at least ``head_floor_rows`` rows' worth (see ``precision.head_floor_rows``).
         Wide, shallow trees (a near-flat draft) and big budgets favour the walk; small batches of deep
-        trees on an accelerator favour one call. ``too_big``: all nodes at once would hold more than the
-        caller can (the sampled rows' filtered distributions past ``SAMPLE_ENTRIES``): the walk is taken
-        whatever the cost."""
+        trees on an accelerator favour one call. ``too_big``: all nodes at once would hold more logits
+        (``GREEDY_ENTRIES``) or filtered probabilities (``SAMPLE_ENTRIES``) than the acceptance takes at
+        once: the walk is taken whatever the cost."""
         floor = self.runner.head_floor_rows
         return (depth + 1) * max(g, floor) < max(g * n, floor) or too_big
 
-    def _penalties(self, rows: list[Request], trees: TreeBatch) -> NodePenalties | None:
-        if all(r.penalties is None for r in rows):
-            return None
-        return NodePenalties(rows, trees, self.runner.lm_head.weight.shape[0], trees.tokens.device)
-
-    def _greedy(self, trees: TreeBatch, states: torch.Tensor, node: NodeLogits) -> Accepted:
-        """Greedy verdicts of these rows from their hidden states [G, N, H]; ``node`` turns the target's
-        logits into the law plain decoding would use there (grammar, penalties)."""
-        head = self.runner.lm_head
-        if self.visit_nodes(*trees.tokens.shape, trees.depth):
-            rows = torch.arange(states.shape[0], device=states.device)
-            return walk_greedy(trees, lambda cur: node(head(states[rows, cur]), rows, cur).argmax(dim=-1))
-        # All nodes, ARGMAX_CHUNK_ENTRIES // V at a time: at a 152k vocabulary, all of 16 rows x 257 nodes
-        # at once would be 2.5 GB of logits.
-        flat = states.reshape(-1, states.shape[-1])  # [G * N, H]
-        step = max(1, ARGMAX_CHUNK_ENTRIES // head.weight.shape[0])
-        argmax = [
-            node.flat(head(flat[i : i + step]), i).argmax(dim=-1) for i in range(0, flat.shape[0], step)
-        ]
-        return accept_greedy(trees, torch.cat(argmax).view(states.shape[:2]))
-
-    def _sample(
-        self,
-        rows: list[Request],
-        group: list[int],
-        trees: TreeBatch,
-        states: torch.Tensor,
-        node: NodeLogits,
-    ) -> Accepted:
-        """Sampled verdicts of the rows ``group`` (their trees and hidden states [S, N, H]): the keyed walk,
-        or with lossy thresholds SGLang's tree rejection sampling; ``node`` turns the target's logits into
-        the law plain decoding would sample from there."""
-        device = states.device
-        head = self.runner.lm_head
-        sampling = SamplingTensors.from_params([rows[i].params for i in group], device)
-        g, n = trees.tokens.shape
-        at = torch.arange(g, device=device)
-        if self.visit_nodes(g, n, trees.depth, g * n * head.weight.shape[0] > SAMPLE_ENTRIES):
-            probs = lambda cur: filtered_probs(node(head(states[at, cur]), at, cur)[:, None], sampling)[:, 0]  # noqa: E731
-        else:
-            logits = head(states)  # [S, N, V]
-            flat = node.flat(logits.view(-1, logits.shape[-1]), 0)
-            probs = filtered_probs(flat.view(logits.shape), sampling)  # [S, N, V]
-        if self.keyed:
-            keys, positions = key_positions([rows[i] for i in group], device)
-            coins = coins_at(keys[:, None], positions[:, None] + trees.depths)  # [S, N]: a node's position
-            if callable(probs):
-                return walk_greedy(trees, lambda cur: inverse_cdf(probs(cur), coins[at, cur]))
-            return accept_greedy(trees, inverse_cdf(probs, coins))
-        coins, finals = tree_coins([rows[i] for i in group], trees.sizes, trees.tokens.shape, device)
-        return sample_tree_batch(trees, probs, coins, finals, self.threshold_single, self.threshold_acc)
+    def node_logits(self, rows: list[Request], trees: TreeBatch) -> NodeLogits | None:
+        """What plain decoding does to the target's logits at these rows' nodes (grammar masks, penalties),
+        or None when no row has either."""
+        masks = tree_grammar_masks(rows, trees)  # [B, N, W] or None (no structured-output row)
+        penalties = None
+        if any(r.penalties is not None for r in rows):
+            penalties = NodePenalties(rows, trees, self.runner.lm_head.weight.shape[0], trees.tokens.device)
+        return None if masks is None and penalties is None else NodeLogits(masks, penalties)
 
     def pack(self, accepted: Accepted, batch: VerifyBatch) -> None:
         """Move every row's accepted keys/values right after its committed tokens (``batch``: the round's
@@ -406,12 +311,14 @@ def key_positions(rows: list[Request], device: torch.device, width: int = 0) -> 
 def tree_coins(
     rows: list[Request], sizes: np.ndarray, shape: tuple[int, int], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SGLang's rule (lossy thresholds): each row's coins for its tree's ``sizes[k]`` nodes, then its bonus
-    coin, from its own generator (the same draws alone, in a batch, padded or not): [R, N] and [R]
-    float32 (``shape`` = R, N; rows past ``rows`` and nodes past a tree: 0)."""
+    """SGLang's rule (lossy thresholds): each sampled row's coins for its tree's ``sizes[k]`` nodes, then
+    its bonus coin, from its own generator (the same draws alone, in a batch, padded or not): [R, N] and
+    [R] float32 (``shape`` = R, N; greedy rows, rows past ``rows`` and nodes past a tree: 0)."""
     coins = torch.zeros(shape, dtype=torch.float32, device=device)
     finals = torch.zeros(shape[0], dtype=torch.float32, device=device)
     for k, r in enumerate(rows):
+        if r.params.greedy:
+            continue
         m = int(sizes[k])
         coins[k, :m] = torch.rand(m, generator=r.generator, device=device)
         finals[k] = torch.rand((), generator=r.generator, device=device)
@@ -438,27 +345,21 @@ def tree_grammar_masks(rows: list[Request], trees: TreeBatch) -> torch.Tensor | 
 
 class NodeLogits:
     """What plain decoding would do to the target's logits at a tree node: the grammar's mask
-    (``allowed`` [G, N, W], structured outputs) and the penalties, for a group of rows whose trees are
-    N nodes wide. Unchanged logits when the group has neither."""
+    (``allowed`` [B, N, W], structured outputs) and the penalties, for rows whose trees are N nodes wide."""
 
-    def __init__(self, allowed: torch.Tensor | None, penalties: NodePenalties | None, width: int) -> None:
+    def __init__(self, allowed: torch.Tensor | None, penalties: NodePenalties | None) -> None:
         self.allowed = allowed
         self.penalties = penalties
-        self.width = width
 
-    def __call__(self, logits: torch.Tensor, rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
-        """``logits`` [M, V] at the nodes ``nodes`` [M] of rows ``rows`` [M]."""
+    def __call__(self, logits: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+        """``logits`` [B, M, V] at each row's nodes ``nodes`` [B, M]."""
+        b, m, vocab = logits.shape
+        rows = torch.arange(b, device=logits.device)[:, None].expand(b, m).reshape(-1)  # [B * M]
+        at, flat = nodes.reshape(-1), logits.reshape(-1, vocab)
         if self.allowed is not None:
             from ddtree.request.grammar import apply_masks  # xgrammar: only for engines that serve it
 
-            logits = apply_masks(logits, self.allowed[rows, nodes])
+            flat = apply_masks(flat, self.allowed[rows, at])
         if self.penalties is not None:
-            logits = self.penalties(logits, rows, nodes)
-        return logits
-
-    def flat(self, logits: torch.Tensor, first: int) -> torch.Tensor:
-        """``logits`` [M, V] of the flat nodes first .. first + M - 1 (row-major over [G, N])."""
-        if self.allowed is None and self.penalties is None:
-            return logits
-        at = torch.arange(first, first + logits.shape[0], device=logits.device)
-        return self(logits, at // self.width, at % self.width)
+            flat = self.penalties(flat, rows, at)
+        return flat.view(b, m, vocab)

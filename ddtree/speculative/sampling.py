@@ -1,11 +1,12 @@
-"""Lossless sampling for tree verification: the target distribution and the two acceptance rules.
+"""Lossless sampling for tree verification: the target distribution (``TargetLaw``: what the target emits at
+a node, per row) and the two rules ``verify.tree_verdicts`` accepts by.
 
-The engine's rule (``keyed_verdicts``; the coins in ``ddtree.speculative.coins``): at every node the
-target's own sample at the coin of the output position the node predicts, and a node is accepted when its
-token is its parent's sample. Lossless by construction, and a seeded request emits what plain decoding
-emits with the same seed.
+The engine's rule (``TargetLaw.emit``; the coins in ``ddtree.speculative.coins``): at every node the
+target's own token, the argmax for greedy rows and for sampled rows its sample at the coin of the output
+position the node predicts, and a node is accepted when its token is its parent's. Lossless by
+construction, and a seeded request emits what plain decoding emits with the same seed.
 
-SGLang's rule (``sample_tree_batch``, the contract of sgl_kernel's ``tree_speculative_sampling_target_only``;
+SGLang's rule (``walk_tree``, the contract of sgl_kernel's ``tree_speculative_sampling_target_only``;
 ``ddtree.sglang`` has it under that signature): at each node the children are tried in sibling order with
 ONE coin against the running sum of their target probabilities (an inverse-CDF draw restricted to the
 drafted tokens), and when every child is rejected the bonus token is drawn from the target with the
@@ -20,11 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from ddtree.request.params import SamplingParams, check_accept_thresholds
-from ddtree.speculative.tree import PaddedTrees, TreeBatch, children_table, top_k_rows
-from ddtree.speculative.verify import Accepted, match_paths
+from ddtree.request.params import SamplingParams
+from ddtree.speculative.tree import top_k_rows
 
 
 @dataclass
@@ -98,25 +97,67 @@ def filtered_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Ten
     return scores.masked_fill(~keep, float("-inf")).softmax(dim=-1)  # HF's final softmax
 
 
-GRAPH_TOP_K = 1024  # the largest top-k a bucket's filter graph serves (a larger one: the eager path)
+GRAPH_TOP_K = 1024  # the largest top-k a bucket's acceptance graph serves (a larger one: the eager call)
 
 
-def sampled_probs(
-    hidden: torch.Tensor,  # [B, N, H]
-    weight: torch.Tensor,  # [V, H] the LM head
-    bias: torch.Tensor | None,
-    temperature: torch.Tensor,  # [B] as in SamplingTensors
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    kmax: int,
-) -> torch.Tensor:
-    """The LM head and every sampling filter, hidden [B, N, H] -> float32 probabilities [B, N, V]: one graph
-    a bucket. Every filter is on (a ``kmax``-wide top-k, top-p, min-p), so one graph serves any mix of
-    the rows' parameters without recompiling: a row whose filter is off passes it unchanged (top-k 0 masks
-    nothing, top-p 1 drops only tokens of probability 0, min-p 0 keeps all)."""
-    sampling = SamplingTensors(temperature, top_k, top_p, min_p, kmax, any_top_p=True, any_min_p=True)
-    return filtered_probs(F.linear(hidden, weight, bias), sampling)
+@dataclass
+class TargetLaw:
+    """What the target emits at a tree node, per row of a verify batch ([B] tensors, a padded bucket's
+    dummy rows included): the argmax for greedy rows; for sampled rows their filtered distribution
+    (``filtered_probs``) sampled at the node's coin. One law serves any mix of greedy and sampled rows,
+    as vLLM's rejection sampler serves its batch: greedy rows keep their argmax by a per-row select.
+
+    With ``finals``: SGLang's sibling-order rule (``walk_tree``), ``coins`` each node's coin and
+    ``finals`` each row's bonus coin; greedy rows walk a one-hot law at thresholds (1, 1), which accepts
+    exactly their argmax. Without: the engine's rule, ``coins`` the position-keyed coins of the nodes'
+    outputs."""
+
+    greedy: torch.Tensor  # [B] bool
+    sampling: SamplingTensors  # greedy rows: temperature 1, every filter off (never read)
+    coins: torch.Tensor  # [B, N] float32
+    finals: torch.Tensor | None = None  # [B] float32: SGLang's rule
+    threshold_single: float = 1.0
+    threshold_acc: float = 1.0
+
+    @classmethod
+    def of(
+        cls,
+        params: list[SamplingParams],
+        coins: torch.Tensor,
+        finals: torch.Tensor | None = None,
+        thresholds: tuple[float, float] = (1.0, 1.0),
+        every_filter: int = 0,
+    ) -> TargetLaw:
+        """The law of rows with these ``params`` (one per row of ``coins`` [B, N]). ``every_filter`` > 0
+        turns every filter on for every row, top-k that wide (a bucket's graph: one graph for any mix of
+        parameters; a row whose filter is off passes it unchanged: top-k 0 masks nothing, top-p 1 drops
+        only tokens of probability 0, min-p 0 keeps all)."""
+        device = coins.device
+        neutral = SamplingParams(temperature=1.0)
+        sampling = SamplingTensors.from_params([neutral if p.greedy else p for p in params], device)
+        if every_filter:
+            sampling.max_top_k, sampling.any_top_p, sampling.any_min_p = every_filter, True, True
+        greedy = torch.from_numpy(np.array([p.greedy for p in params], dtype=bool))
+        return cls(greedy.to(device, non_blocking=True), sampling, coins, finals, *thresholds)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """SGLang's rule: each row's law at these nodes, logits [B, M, V] -> float32 [B, M, V] (greedy rows:
+        one-hot at the argmax)."""
+        probs = filtered_probs(logits, self.sampling)
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        return torch.where(self.greedy[:, None, None], one_hot, probs)
+
+    def emit(self, logits: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
+        """The engine's rule: the token each row emits at these nodes, logits [B, M, V] at coins [B, M] ->
+        [B, M]."""
+        sampled = inverse_cdf(filtered_probs(logits, self.sampling), coins.float())
+        return torch.where(self.greedy[:, None], logits.argmax(dim=-1), sampled)
+
+
+def emitted(logits: torch.Tensor, law: TargetLaw | None, coins: torch.Tensor | None = None) -> torch.Tensor:
+    """What plain decoding emits: logits [B, M, V] -> [B, M], every row's argmax (``law`` None: a greedy
+    batch, no filter is computed) or each row's ``TargetLaw.emit`` at ``coins`` [B, M]."""
+    return logits.argmax(dim=-1) if law is None else law.emit(logits, coins)
 
 
 NUCLEUS_CHUNK_ENTRIES = 1 << 24  # entries per nucleus_mask call: ~0.3 GB of scratch (int32 + float64)
@@ -197,65 +238,6 @@ def inverse_cdf(weights: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
     return torch.where(hit.any(dim=-1), first, torch.where(positive.any(dim=-1), last, -1))
 
 
-def sample_tree_batch(
-    trees: TreeBatch,
-    probs: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],
-    coins: torch.Tensor,
-    final_coins: torch.Tensor,
-    threshold_single: float = 1.0,
-    threshold_acc: float = 1.0,
-) -> Accepted:
-    """Tree rejection sampling of every row of ``trees`` at once (SGLang's contract, as its
-    ``tree_speculative_sampling_target_only``), on the device with no host sync.
-
-    ``probs`` are the target distributions at the nodes: [B, N, V], or a function from each row's current
-    node [B] to its distribution [B, V], so that only the nodes the walk visits (one a depth) are ever
-    filtered. ``coins`` [B, N] are each node's coin and ``final_coins`` [B] each row's bonus coin.
-    """
-    if isinstance(probs, torch.Tensor):
-        rows = torch.arange(probs.shape[0], device=probs.device)
-        full = probs.float()
-        probs = lambda cur: full[rows, cur]  # noqa: E731
-    return walk_tree(
-        trees.children(), trees.tokens, probs, coins.float(), final_coins.float(), trees.depth + 1,
-        threshold_single, threshold_acc,
-    )  # fmt: skip
-
-
-def keyed_verdicts(
-    trees: PaddedTrees, probs: torch.Tensor, coins: torch.Tensor, depth: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Position-keyed acceptance of padded trees (``ddtree.speculative.coins``): at every node the
-    target's own sample, ``inverse_cdf`` of its distribution (``probs`` [B, N, V]) at the coin of the
-    output position it predicts (``coins`` [B, N]); a node is accepted when its token is its parent's
-    sample, as the greedy walk does with the argmax. Path, tokens [B, depth + 1], lengths [B]; one graph
-    per bucket when compiled."""
-    sampled = inverse_cdf(probs.float(), coins.float())  # [B, N]
-    return match_paths(trees.tokens, trees.depths, trees.parents, trees.valid, sampled, depth)
-
-
-def sample_verdicts(
-    trees: PaddedTrees,
-    probs: torch.Tensor,
-    coins: torch.Tensor,
-    final_coins: torch.Tensor,
-    depth: int,
-    branching: int,
-    threshold_single: float,
-    threshold_acc: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``sample_tree_batch`` over padded trees (``probs`` [B, N, V] every node's target distribution,
-    ``depth`` a bound: steps past a row's last node change nothing): path, tokens [B, depth + 1] and
-    lengths [B]; one graph per bucket when compiled."""
-    rows = torch.arange(trees.tokens.shape[0], device=probs.device)
-    full = probs.float()
-    accepted = walk_tree(
-        children_table(trees.parents, trees.valid, branching), trees.tokens, lambda cur: full[rows, cur],
-        coins.float(), final_coins.float(), depth + 1, threshold_single, threshold_acc,
-    )  # fmt: skip
-    return accepted.path, accepted.tokens, accepted.lengths
-
-
 def walk_tree(
     children: torch.Tensor,
     candidates: torch.Tensor,
@@ -263,17 +245,20 @@ def walk_tree(
     coins: torch.Tensor,
     final_coins: torch.Tensor,
     steps: int,
-    threshold_single: float,
-    threshold_acc: float,
-) -> Accepted:
-    """The rejection walk shared by both entry points: children [B, N, C] (-1 = none, sibling order),
-    candidates [B, N] tokens, ``probs_at`` from the current nodes [B] to their target rows [B, V] (asked
-    once a step and once for the bonus), coins [B, N], final_coins [B]. The last node's rejected children
-    are removed from its row directly: the residual sgl_kernel draws from, q less their mass q."""
-    threshold_single, threshold_acc = check_accept_thresholds(threshold_single, threshold_acc)
+    threshold_single: float | torch.Tensor,
+    threshold_acc: float | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SGLang's rejection walk: children [B, N, C] (-1 = none, sibling order), candidates [B, N] tokens,
+    ``probs_at`` from the current nodes [B] to their target rows [B, V] (asked once a step and once for
+    the bonus), coins [B, N], final_coins [B], thresholds (checked by the caller) as numbers or per row
+    [B, 1]. The last node's rejected children are removed from its row directly: the residual
+    sgl_kernel draws from, q less their mass q. Path, tokens [B, steps] and lengths [B]."""
     b = candidates.shape[0]
     device = candidates.device
-    acc_scale = max(threshold_acc, 1e-9)
+    if isinstance(threshold_acc, torch.Tensor):
+        acc_scale = threshold_acc.clamp(min=1e-9)
+    else:
+        acc_scale = max(threshold_acc, 1e-9)
     rows = torch.arange(b, device=device)
     cur = torch.zeros(b, dtype=torch.int64, device=device)
     alive = torch.ones(b, dtype=torch.bool, device=device)
@@ -318,4 +303,4 @@ def walk_tree(
     # Emitted: the accepted nodes' tokens, then the bonus at position length - 1.
     emitted = candidates.gather(1, torch.cat((path[:, 1:], path[:, :1]), dim=1))  # [B, S]
     at_end = torch.arange(steps, device=device)[None] == (lengths - 1)[:, None]
-    return Accepted(path=path, tokens=torch.where(at_end, bonus[:, None], emitted), lengths=lengths)
+    return path, torch.where(at_end, bonus[:, None], emitted), lengths

@@ -1,9 +1,11 @@
-"""Verification of draft trees: the inputs of the ONE target forward, and the greedy acceptance of its result.
+"""Verification of draft trees: the inputs of the ONE target forward, and the acceptance of its result.
 
 Every row's tree goes through the target as a flat sequence ``[root, node 1, ..., node n]`` (one row of the
 batch). Each node sits at position ``start + depth`` and attends to the committed context plus its own
 ancestors and itself, so its logits are exactly those the target would give after the prefix that ends at
-that node. Everything here is tensor ops over the whole batch (``TreeBatch``): no host sync.
+that node. ``tree_verdicts`` is the one acceptance: greedy, sampled and mixed batches, the LM head over
+every node or along the walk, compiled per bucket or called eagerly. Everything here is tensor ops over
+the whole batch: no host sync.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ddtree.speculative.sampling import TargetLaw, emitted, walk_tree
 from ddtree.speculative.tree import PaddedTrees, TreeBatch, children_table
 
 
@@ -68,13 +71,6 @@ def tree_inputs(
     return ids, positions, cols, ancestors(trees.parents, valid, depth)
 
 
-def accept_greedy(trees: TreeBatch, argmax: torch.Tensor) -> Accepted:
-    """Greedy acceptance of every row at once: a node is accepted when its token is its parent's target
-    argmax (``argmax`` [B, N]) and its parent is accepted; siblings carry distinct tokens, so the accepted
-    nodes form one path. One step per depth, on the device."""
-    return Accepted(*match_paths(trees.tokens, trees.depths, trees.parents, trees.valid, argmax, trees.depth))
-
-
 def match_paths(
     tokens: torch.Tensor,
     depths: torch.Tensor,
@@ -83,8 +79,10 @@ def match_paths(
     argmax: torch.Tensor,
     depth: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``accept_greedy`` over tensors ([B, N] each, ``depth`` a bound on the trees' depth): path, tokens
-    [B, depth + 1] and lengths [B]."""
+    """The acceptance from every node's emitted token (``argmax`` [B, N]: the target's token there; tokens,
+    depths, parents and real nodes [B, N], ``depth`` a bound on the trees' depth): a node is accepted when
+    its token is its parent's emitted one and its parent is accepted; siblings carry distinct tokens, so
+    the accepted nodes form one path. One step per depth. Path, tokens [B, depth + 1] and lengths [B]."""
     b, n = tokens.shape
     up = parents.clamp(min=0)  # [B, N]
     match = valid & (tokens == argmax.gather(1, up))  # [B, N]
@@ -100,21 +98,16 @@ def match_paths(
     return path, argmax.gather(1, path), accepted.sum(dim=1)
 
 
-def walk_greedy(trees: TreeBatch, argmax_at: Callable[[torch.Tensor], torch.Tensor]) -> Accepted:
-    """Greedy acceptance asking the target only at the nodes it visits: ``argmax_at`` maps each row's
-    current node [B] to the target's argmax there [B], once a depth and once for the bonus, so the LM
-    head runs over B rows a step instead of B x N nodes. The same verdicts as ``accept_greedy``."""
-    return Accepted(*walk_paths(trees.tokens, trees.children(), argmax_at, trees.depth))
-
-
 def walk_paths(
     candidates: torch.Tensor,
     children: torch.Tensor,
     argmax_at: Callable[[torch.Tensor], torch.Tensor],
     depth: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``walk_greedy`` over tensors (tokens [B, N], ``children_table`` [B, N, C], ``depth`` a bound: steps
-    past a row's last node change nothing): path, tokens [B, depth + 1] and lengths [B]."""
+    """``match_paths`` asking the target only at the nodes it visits: ``argmax_at`` maps each row's current
+    node [B] to the target's token there [B], once a depth and once for the bonus, so the LM head runs over
+    B rows a step instead of B x N nodes (tokens [B, N], ``children_table`` [B, N, C], ``depth`` a bound:
+    steps past a row's last node change nothing). Path, tokens [B, depth + 1] and lengths [B]."""
     b, _ = candidates.shape
     device = candidates.device
     steps = depth + 1
@@ -138,24 +131,54 @@ def walk_paths(
     return path, tokens, lengths
 
 
-def greedy_verdicts(
+def tree_verdicts(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     trees: PaddedTrees,
+    law: TargetLaw | None,
     depth: int,
     branching: int,
     walk: bool,
+    node: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy verdicts of padded trees from the verify forward's hidden states [B, N, H] and the LM head
-    (``weight`` [V, H], ``bias``): the head over every node at once, or (``walk``) over each row's current
-    node one depth at a time. Path, tokens [B, depth + 1], lengths [B]; one graph per bucket when
-    compiled (``depth``, ``branching`` and ``walk`` are fixed per bucket)."""
-    valid = trees.valid
+    """Every row's verdict from the verify forward's final hidden states [B, N, H] and the LM head
+    (``weight`` [V, H], ``bias``): the one acceptance, as vLLM's ``RejectionSampler.forward``.
+
+    ``law`` says what the target emits at a node (None: every row greedy, no filter computed; see
+    ``TargetLaw`` for its two rules). ``walk`` takes the head over each row's current node one depth at a
+    time instead of over every node at once (the same verdicts). ``node`` maps the logits [B, M, V] at
+    nodes [B, M] to what plain decoding would use there (structured outputs, penalties; eager calls only).
+    ``depth`` bounds the trees' depth and ``branching`` a node's children, so a bucket's graph fixes
+    ``depth``, ``branching``, ``walk`` and the law's kind: one compiled graph per bucket and kind.
+    Path, tokens [B, depth + 1] and lengths [B]."""
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+
+    def logits_at(cur: torch.Tensor) -> torch.Tensor:  # each row's current node [B] -> [B, 1, V]
+        logits = F.linear(hidden[rows, cur], weight, bias)[:, None]
+        return logits if node is None else node(logits, cur[:, None])
+
+    if not walk:
+        every = F.linear(hidden, weight, bias)  # [B, N, V]
+        if node is not None:
+            every = node(every, torch.arange(every.shape[1], device=every.device).expand(every.shape[:2]))
+    if law is not None and law.finals is not None:  # SGLang's sibling-order rule
+        if walk:
+            probs_at = lambda cur: law.probs(logits_at(cur))[:, 0]  # noqa: E731
+        else:
+            probs = law.probs(every)  # [B, N, V]
+            probs_at = lambda cur: probs[rows, cur]  # noqa: E731
+        lossless = torch.ones_like(law.coins[:, :1])  # greedy rows: thresholds (1, 1) keep their argmax
+        single = torch.where(law.greedy[:, None], lossless, law.threshold_single)  # [B, 1]
+        acc = torch.where(law.greedy[:, None], lossless, law.threshold_acc)
+        children = children_table(trees.parents, trees.valid, branching)
+        return walk_tree(children, trees.tokens, probs_at, law.coins, law.finals, depth + 1, single, acc)
     if walk:
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        children = children_table(trees.parents, valid, branching)
-        argmax_at = lambda cur: F.linear(hidden[rows, cur], weight, bias).argmax(dim=-1)  # noqa: E731
-        return walk_paths(trees.tokens, children, argmax_at, depth)
-    argmax = F.linear(hidden, weight, bias).argmax(dim=-1)  # [B, N]
-    return match_paths(trees.tokens, trees.depths, trees.parents, valid, argmax, depth)
+        children = children_table(trees.parents, trees.valid, branching)
+        coins = None if law is None else law.coins
+        emit_at = lambda cur: emitted(  # noqa: E731
+            logits_at(cur), law, None if coins is None else coins[rows, cur][:, None]
+        )[:, 0]
+        return walk_paths(trees.tokens, children, emit_at, depth)
+    tokens = emitted(every, law, None if law is None else law.coins)  # [B, N]
+    return match_paths(trees.tokens, trees.depths, trees.parents, trees.valid, tokens, depth)

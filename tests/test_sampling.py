@@ -25,7 +25,7 @@ from ddtree.sglang import (
     tree_speculative_sampling_target_only,
 )
 from ddtree.speculative.sampling import SamplingTensors, TargetLaw, filtered_probs, walk_tree
-from ddtree.speculative.tree import PaddedTrees, TreeSpec, build_tree_batch, draft_candidates
+from ddtree.speculative.tree import PaddedTrees, TreeSpec, build_tree_batch, children_table, draft_candidates
 from ddtree.speculative.verify import tree_verdicts
 from tests.conftest import tree_from_parents
 from tests.oracles import (
@@ -676,10 +676,10 @@ def test_batched_tree_sampling_emits_the_filtered_target_at_a_vocabulary_of_a_th
     logits = torch.randn(1, n, vocab, generator=gen) * 3
     logits[0, :, one.tokens[0, 1:]] += 7.0  # drafted tokens likely: walks go deep
     probs = filtered_probs(logits, SamplingTensors.from_params([params]))  # [1, N, V]
-    trees = one.select([0] * rows)
+    children = children_table(one.parents, one.valid, one.branching).expand(rows, -1, -1)  # [R, N, C]
     coins, finals = torch.rand(rows, n, generator=gen), torch.rand(rows, generator=gen)
-    _, tokens, lengths = walk_tree(trees.children(), trees.tokens, probs[0].__getitem__, coins, finals,
-                                   trees.depth + 1, 1.0, 1.0)  # fmt: skip
+    _, tokens, lengths = walk_tree(children, one.tokens.expand(rows, -1), probs[0].__getitem__, coins, finals,
+                                   one.depth + 1, 1.0, 1.0)  # fmt: skip
 
     def g_test(observed: torch.Tensor, law: torch.Tensor) -> float:
         law = law.double() / law.double().sum()

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.sglang import DraftTree
-from ddtree.speculative.tree import PaddedTrees, TreeSpec, build_tree_batch, draft_candidates
+from ddtree.speculative.tree import PaddedTrees, TreeSpec, build_tree_batch, children_table, draft_candidates
 from ddtree.speculative.verify import tree_verdicts, walk_paths
 from tests.conftest import tree_from_parents
 from tests.oracles import build_ddtree_tree, follow_verified_tree, tree_row
@@ -87,7 +87,9 @@ def test_batched_greedy_acceptance_equals_the_scalar_walk():
             return argmax[rows, cur]
 
         depth = int(trees.depths.max())
-        walked = walk_paths(trees.tokens, trees.children(), argmax_at, depth)
+        walked = walk_paths(
+            trees.tokens, children_table(trees.parents, trees.valid, trees.branching), argmax_at, depth
+        )
         assert len(asked) == depth + 1  # one head call a level, one for the bonus
         padded = PaddedTrees(trees.tokens, trees.depths, trees.parents, trees.device_sizes())
         hidden = F.one_hot(argmax, vocab).float()  # [B, N, V]: through an identity head, argmax's logits

@@ -143,15 +143,6 @@ class TreeBatch:
         sizes = np.ones(roots.shape[0], dtype=np.int64)
         return cls(roots[:, None].to(torch.int64), zeros, zeros - 1, zeros.float(), sizes, 0)
 
-    def select(self, rows: list[int]) -> TreeBatch:
-        """The trees of these rows (host indices), same width and depth bound."""
-        at = upload(np.asarray(rows, dtype=np.int64), self.tokens.device)
-        return TreeBatch(*(x[at] for x in self.tensors), self.sizes[rows], self.depth, self.branching)
-
-    def children(self) -> torch.Tensor:
-        """[B, N, C] each node's children in sibling order, -1 past the last (``children_table``)."""
-        return children_table(self.parents, self.valid, self.branching)
-
     def read_depth(self) -> TreeBatch:
         """The same trees with ``depth`` the deepest real node, read from the device (one host read).
 

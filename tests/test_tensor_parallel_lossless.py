@@ -145,7 +145,9 @@ def test_real_shapes_under_tensor_parallelism_are_lossless_and_differ_from_one_p
     with Engine.from_pretrained(target_dir, drafter_dir, tensor_parallel_size=TP, **options) as sharded:
         assert sharded.max_model_len == 40960
         ar = [r.token_ids for r in sharded.generate(prompts, params, method="ar")]
-        assert [r.token_ids for r in sharded.generate(prompts, params, method="ddtree")] == ar
+        # a fixed budget: under "auto" the trees follow the machine's timing, and bf16 logits of other tree
+        # shapes may round a near-tie the other way (issue 44's open bf16 invariance)
+        assert [r.token_ids for r in sharded.generate(prompts, params, method="ddtree", budget=16)] == ar
     hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
     for prompt, mine, theirs in zip(prompts, one, ar, strict=True):
         if mine == theirs:

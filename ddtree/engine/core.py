@@ -27,7 +27,6 @@ from ddtree.engine.step_channel import TensorParallelError
 from ddtree.engine.verifier import Verifier, VerifyBatch
 from ddtree.request.logprobs import TokenLogprobs, token_logprobs
 from ddtree.request.params import SamplingParams
-from ddtree.speculative.sampling import GRAPH_TOP_K, TargetLaw
 from ddtree.speculative.tree import PaddedTrees, TreeShape, beam_plan, draft_candidates
 
 log = logging.getLogger("ddtree.engine")
@@ -315,7 +314,5 @@ class EngineCore:
         verifier.pack(verdicts.head(b), batch)
         coins = torch.zeros(b, n, device=device)  # with a sampled row: the law a real round builds
         finals = None if verifier.keyed else coins[:, 0].contiguous()
-        thresholds = (verifier.threshold_single, verifier.threshold_acc)
-        sampled = [SamplingParams(temperature=1.0)] * b
-        law = TargetLaw.of(sampled, coins, finals, thresholds, min(GRAPH_TOP_K, vocab))
+        law = verifier.law_of([SamplingParams(temperature=1.0)] * b, coins, finals, graph=True)
         verifier.decide(shapes.accept_graph, padded, hidden, law, depth, vocab)

@@ -176,8 +176,7 @@ class Verifier:
         shapes, runs the same function eagerly over exactly the batch ([B, N]), its steps the trees' depth
         (the round's second host read, while the verify forward runs)."""
         node = self.node_logits(rows, trees)
-        compiled, vocab = self.shapes.round_compiled, self.runner.lm_head.weight.shape[0]
-        too_wide = compiled and max((r.params.top_k for r in rows), default=0) > GRAPH_TOP_K
+        too_wide = self.shapes.round_compiled and max((r.params.top_k for r in rows), default=0) > GRAPH_TOP_K
         graph = padded is not None and trees.padded is not None and node is None and not too_wide
         if graph:
             p, states, accept = trees.padded, padded, self.shapes.accept_graph
@@ -186,7 +185,7 @@ class Verifier:
             trees = trees.read_depth()
             p = PaddedTrees(trees.tokens, trees.depths, trees.parents, trees.device_sizes())
             states, accept, depth = hidden, tree_verdicts, trees.depth
-        law = self.law(rows, trees.sizes, p, min(GRAPH_TOP_K, vocab) if graph and compiled else 0)
+        law = self.law(rows, trees.sizes, p, graph)
         accepted = self.decide(accept, p, states, law, depth, trees.branching, node)
         return accepted.head(len(rows)) if graph else accepted
 
@@ -211,24 +210,36 @@ class Verifier:
         return Accepted(*accept(hidden, head.weight, head.bias, trees, law, depth, branching, walk, node))
 
     def law(
-        self, rows: list[Request], sizes: np.ndarray, trees: PaddedTrees, every_filter: int = 0
+        self, rows: list[Request], sizes: np.ndarray, trees: PaddedTrees, graph: bool
     ) -> TargetLaw | None:
         """What the target emits at each node of these trees ([Bp, Np]; rows past ``rows``: dummies,
         greedy), or None when every row is greedy: the rows' sampling parameters and their coins, the
         position-keyed ones or, with lossy thresholds, SGLang's from each sampled row's generator
-        (``sizes``: each row's nodes, on the host). ``every_filter``: ``TargetLaw.of``'s."""
+        (``sizes``: each row's nodes, on the host). ``graph``: for a bucket's graph (``law_of``)."""
         if all(r.params.greedy for r in rows):
             return None
         device = trees.tokens.device
         bp, n = trees.tokens.shape
         params = [r.params for r in rows] + [SamplingParams()] * (bp - len(rows))
-        thresholds = (self.threshold_single, self.threshold_acc)
         if self.keyed:
             keys, positions = key_positions(rows, device, bp)
             coins = coins_at(keys[:, None], positions[:, None] + trees.depths)  # [Bp, Np]: a node's position
-            return TargetLaw.of(params, coins, None, thresholds, every_filter)
+            return self.law_of(params, coins, None, graph)
         coins, finals = tree_coins(rows, sizes, (bp, n), device)
-        return TargetLaw.of(params, coins, finals, thresholds, every_filter)
+        return self.law_of(params, coins, finals, graph)
+
+    def law_of(
+        self, params: list[SamplingParams], coins: torch.Tensor, finals: torch.Tensor | None, graph: bool
+    ) -> TargetLaw:
+        """The law of rows with these parameters and coins ([B, N]; ``finals`` [B]: SGLang's rule) at this
+        verifier's thresholds. For a compiled bucket's graph (``graph``) every filter is on for every row,
+        so one graph serves any mix (``TargetLaw.of``); the warm-up builds its dummy law here too."""
+        every = (
+            min(GRAPH_TOP_K, self.runner.lm_head.weight.shape[0])
+            if graph and self.shapes.round_compiled
+            else 0
+        )
+        return TargetLaw.of(params, coins, finals, (self.threshold_single, self.threshold_acc), every)
 
     def visit_nodes(self, g: int, n: int, depth: int, too_big: bool = False) -> bool:
         """Whether the LM head should follow the walk (``depth`` + 1 calls over the G rows' current nodes)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ddtree.model.capture import upload
 from ddtree.request.params import SamplingParams
 from ddtree.speculative.tree import top_k_rows
 
@@ -137,8 +138,8 @@ class TargetLaw:
         sampling = SamplingTensors.from_params([neutral if p.greedy else p for p in params], device)
         if every_filter:
             sampling.max_top_k, sampling.any_top_p, sampling.any_min_p = every_filter, True, True
-        greedy = torch.from_numpy(np.array([p.greedy for p in params], dtype=bool))
-        return cls(greedy.to(device, non_blocking=True), sampling, coins, finals, *thresholds)
+        greedy = upload(np.array([p.greedy for p in params], dtype=bool), device)  # [B]
+        return cls(greedy, sampling, coins, finals, *thresholds)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """SGLang's rule: each row's law at these nodes, logits [B, M, V] -> float32 [B, M, V] (greedy rows:

@@ -114,11 +114,14 @@ class TargetLaw:
     outputs."""
 
     greedy: torch.Tensor  # [B] bool
-    sampling: SamplingTensors  # greedy rows: temperature 1, every filter off (never read)
+    sampling: SamplingTensors  # every row's (greedy rows: temperature 1, every filter off), or sampled_rows'
     coins: torch.Tensor  # [B, N] float32
     finals: torch.Tensor | None = None  # [B] float32: SGLang's rule
     threshold_single: float = 1.0
     threshold_acc: float = 1.0
+    # [S] int64, eager calls of a batch with greedy rows: only these rows are filtered (at a real vocabulary
+    # the filters cost several times the argmax); None (a graph's fixed shapes): every row is
+    sampled_rows: torch.Tensor | None = None
 
     @classmethod
     def of(
@@ -132,27 +135,41 @@ class TargetLaw:
         """The law of rows with these ``params`` (one per row of ``coins`` [B, N]). ``every_filter`` > 0
         turns every filter on for every row, top-k that wide (a bucket's graph: one graph for any mix of
         parameters; a row whose filter is off passes it unchanged: top-k 0 masks nothing, top-p 1 drops
-        only tokens of probability 0, min-p 0 keeps all)."""
+        only tokens of probability 0, min-p 0 keeps all). Without it, a batch with greedy rows filters its
+        sampled rows only."""
         device = coins.device
-        neutral = SamplingParams(temperature=1.0)
-        sampling = SamplingTensors.from_params([neutral if p.greedy else p for p in params], device)
+        greedy = np.array([p.greedy for p in params], dtype=bool)  # [B]
+        rows = None
         if every_filter:
+            neutral = SamplingParams(temperature=1.0)
+            sampling = SamplingTensors.from_params([neutral if p.greedy else p for p in params], device)
             sampling.max_top_k, sampling.any_top_p, sampling.any_min_p = every_filter, True, True
-        greedy = upload(np.array([p.greedy for p in params], dtype=bool), device)  # [B]
-        return cls(greedy, sampling, coins, finals, *thresholds)
+        else:
+            sampling = SamplingTensors.from_params([p for p in params if not p.greedy], device)
+            rows = upload(np.flatnonzero(~greedy), device) if greedy.any() else None  # [S]
+        return cls(upload(greedy, device), sampling, coins, finals, *thresholds, rows)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """SGLang's rule: each row's law at these nodes, logits [B, M, V] -> float32 [B, M, V] (greedy rows:
         one-hot at the argmax)."""
-        probs = filtered_probs(logits, self.sampling)
-        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        return torch.where(self.greedy[:, None, None], one_hot, probs)
+        one_hot = torch.zeros(logits.shape, device=logits.device).scatter_(
+            -1, logits.argmax(dim=-1, keepdim=True), 1.0
+        )
+        rows = self.sampled_rows
+        if rows is None:
+            return torch.where(self.greedy[:, None, None], one_hot, filtered_probs(logits, self.sampling))
+        return one_hot.index_copy(0, rows, filtered_probs(logits[rows], self.sampling))
 
     def emit(self, logits: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
         """The engine's rule: the token each row emits at these nodes, logits [B, M, V] at coins [B, M] ->
         [B, M]."""
-        sampled = inverse_cdf(filtered_probs(logits, self.sampling), coins.float())
-        return torch.where(self.greedy[:, None], logits.argmax(dim=-1), sampled)
+        argmax, rows = logits.argmax(dim=-1), self.sampled_rows
+        if rows is None:
+            sampled = inverse_cdf(filtered_probs(logits, self.sampling), coins.float())
+            return torch.where(self.greedy[:, None], argmax, sampled)
+        return argmax.index_copy(
+            0, rows, inverse_cdf(filtered_probs(logits[rows], self.sampling), coins[rows].float())
+        )
 
 
 def emitted(logits: torch.Tensor, law: TargetLaw | None, coins: torch.Tensor | None = None) -> torch.Tensor:

@@ -24,7 +24,7 @@ from ddtree.model.loader import DEFAULT_DRAFTER, DEFAULT_TARGET, load_drafter, l
 from ddtree.request.params import SamplingParams
 from ddtree.speculative.dflash2 import DFlash2Drafter
 from ddtree.speculative.drafter import dflash_config
-from ddtree.speculative.tree import TreeShape, TreeSpec, build_tree_batch
+from ddtree.speculative.tree import TreeShape, TreeSpec, build_tree_batch, lattice_tree
 from tests import test_sampling_lossless as lossless
 from tests.oracles import tree_row
 from tests.test_dflash2 import SELECTOR, public_config, random_weights, write
@@ -158,6 +158,26 @@ def test_a_bucket_shaped_lattice_tree_is_the_same_and_dummy_rows_have_no_node():
         trees = build_tree_batch(pad(edges), pad(ids), pad(roots), padded_spec, shape, rows=b)
         assert_trees_are_the_oracles(trees, edges, ids, spec, roots, seed)
         assert trees.padded.tokens.shape == (b + extra, n) and not trees.padded.sizes[b:].any()
+
+
+def test_the_compiled_lattice_builder_is_one_graph_per_bucket_and_builds_the_oracles_trees():
+    """``lattice_tree`` compiled as the engine compiles its round graphs (``fullgraph``, static shapes):
+    lattices of one bucket's shape reuse one graph (no recompile, no break) and give the oracle's trees."""
+    compiled = torch.compile(lattice_tree, fullgraph=True, dynamic=False)
+    b, depth, k, vocab, n = 3, 4, 3, 50, 17
+    shape = TreeShape.bucket(n, depth, vocab)
+    for seed in range(6):
+        gen, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
+        scores = torch.randn(b, depth, k, k, generator=gen) * (1 + 4 * (seed % 2))
+        scores[:, 0] = scores[:, 0, :1]  # depth 1: every row is the root's
+        edges = torch.log_softmax(scores, dim=-1)  # [B, L, K, K]
+        ids = torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(b * depth)])
+        ids = ids.view(b, depth, k)  # distinct per position
+        spec = TreeSpec(rng.integers(0, n, b), rng.integers(1, k + 1, b), rng.integers(1, depth + 1, b))
+        roots = torch.randint(0, vocab, (b,), generator=gen)
+        with torch._dynamo.config.patch(error_on_recompile=seed > 0):
+            trees = build_tree_batch(edges, ids, roots, spec, shape, compiled, rows=b)
+        assert_trees_are_the_oracles(trees, edges, ids, spec, roots, seed)
 
 
 def test_branching_one_follows_the_greedy_edge():

@@ -301,10 +301,16 @@ class EngineCore:
         if n > 1:
             shape = TreeShape.bucket(n, drafter.block_size - 1, vocab)
             logits = torch.zeros(b, shape.depths, vocab, device=device)  # the positions a bucket's trees read
-            vals, ids = draft_candidates(logits, shape.k)
             allowed = torch.zeros(b, shape.depths, dtype=torch.int64, device=device)
             roots = torch.zeros_like(sizes)  # a distinct tensor: a graph is compiled for its inputs' aliasing
-            trees = shapes.tree_graph(vals, ids, roots, allowed, sizes, beam_plan(shape, device))[:3]
+            if shapes.lattice:  # the drafter's own lattice of a dummy block: its dtypes and layouts
+                width, dtype = runner.draft_head.shape[1], runner.draft_head.dtype
+                block = torch.zeros(b, shape.depths, width, dtype=dtype, device=device)  # [B, L, H]
+                ids, edges = drafter.lattice(block, logits, roots)
+                trees = shapes.tree_graph(edges, ids, roots, allowed, sizes, shape)[:3]
+            else:
+                vals, ids = draft_candidates(logits, shape.k)
+                trees = shapes.tree_graph(vals, ids, roots, allowed, sizes, beam_plan(shape, device))[:3]
         else:  # a tree cut to its root (budget "auto" choosing plain rounds)
             trees = [torch.zeros(b, 1, dtype=torch.int64, device=device) for _ in range(3)]
         padded = PaddedTrees(*trees, sizes)

@@ -27,6 +27,7 @@ from ddtree.model.capture import compile_forward, mark_static, tree_mask, upload
 from ddtree.model.forward import Float32Linear, TargetForward
 from ddtree.model.kv_cache import KVLayout, PagedKVCache, pack_buffers
 from ddtree.model.precision import FLOAT32_PREFILL_TOKENS, draft_parts, emulated_half, head_floor_rows
+from ddtree.speculative.dflash2 import DFlash2Drafter
 from ddtree.speculative.drafter import DFlashDrafter
 
 
@@ -92,7 +93,8 @@ class ModelRunner:
         self.draft_cache = caches[1] if self.drafter is not None else None
         self.kv_cache_bytes = sum(c.nbytes() for c in caches)
         deepest = 0 if self.drafter is None else self.drafter.block_size - 1
-        self.shapes = RoundShapes(self.device, self.block_size, self.width, deepest)
+        lattice = isinstance(self.drafter, DFlash2Drafter)
+        self.shapes = RoundShapes(self.device, self.block_size, self.width, deepest, lattice)
 
     def close(self) -> None:
         """Rank 0 under tensor parallelism: end the other ranks (``ranks.close_channel``); a later forward

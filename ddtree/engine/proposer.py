@@ -181,7 +181,7 @@ class Proposer:
         "auto", of up to ``auto_max_budget`` candidates). ``hidden`` [D, block_size - 1, H]: the
         ``drafting`` rows' drafted positions (``draft``), scored here as deep as the trees can grow (with
         fixed shapes, as deep as the node bucket's: one tree graph per bucket). A DFlash2 drafter's trees
-        are built over its lattice, eagerly (no compiled graph) in the bucket's shapes."""
+        are built over its lattice (``RoundShapes.tree_graph``: the lattice builder's graph)."""
         b = len(rows)
         spec = TreeSpec(*(np.zeros(b, dtype=np.int64) for _ in range(3)))
         drafted = {id(r): i for i, r in enumerate(drafting)}
@@ -231,8 +231,7 @@ class Proposer:
         roots_t = shapes.inputs.upload(roots)  # [Bp]
         if shape is None:
             return build_tree_batch(vals, ids, roots_t, spec)
-        beam = None if lattice else shapes.tree_graph  # the lattice's builder runs eagerly
-        return build_tree_batch(vals, ids, roots_t, spec, shape, beam, rows=b)
+        return build_tree_batch(vals, ids, roots_t, spec, shape, shapes.tree_graph, rows=b)
 
 
 def penalised_drafts(drafting: list[Request], logits: torch.Tensor) -> torch.Tensor:

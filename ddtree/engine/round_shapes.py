@@ -4,8 +4,8 @@ Without fixed shapes a round takes the batch's own shapes and its four functions
 (``EngineConfig.fixed``) rows pad to a batch bucket, trees to a node bucket and attention to a span bucket
 (``ddtree.model.capture``), and with ``compile`` each function (tree, verify inputs, acceptance, KV pack)
 is compiled to one graph per bucket (the acceptance: one for greedy batches, one for batches with a
-sampled row): vLLM's cudagraph dispatcher beside its runner. The forwards themselves stay the
-``ModelRunner``'s.
+sampled row; the tree: the marginal beam's, or a DFlash2 drafter's lattice builder): vLLM's cudagraph
+dispatcher beside its runner. The forwards themselves stay the ``ModelRunner``'s.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ddtree.model.attention import PagedBlockMask
 from ddtree.model.capture import StaticInputs, batch_ladder, check_buckets, compile_forward, node_ladder, pick
 from ddtree.model.kv_cache import PagedKVCache, pack_buffers
 from ddtree.request.params import check_budget
-from ddtree.speculative.tree import beam_tree
+from ddtree.speculative.tree import beam_tree, lattice_tree
 from ddtree.speculative.verify import tree_inputs, tree_verdicts
 
 
@@ -29,9 +29,12 @@ class RoundShapes:
     """The round's buckets, its persistent inputs (block tables, ``StaticInputs``, flex block masks) and
     graphs (the eager functions until ``setup`` compiles)."""
 
-    def __init__(self, device: torch.device, block_size: int, width: int, deepest: int) -> None:
+    def __init__(
+        self, device: torch.device, block_size: int, width: int, deepest: int, lattice: bool = False
+    ) -> None:
         """``width``: block-table entries a row may own (all of them: the last span bucket); ``deepest``:
-        the deepest level a tree may reach (the drafter's block less its root; 0 without a drafter)."""
+        the deepest level a tree may reach (the drafter's block less its root; 0 without a drafter);
+        ``lattice``: trees are built over a DFlash2 drafter's lattice (``lattice_tree``), not the beam."""
         self.device = device
         self.block_size = block_size
         self.width = width
@@ -47,7 +50,8 @@ class RoundShapes:
         self.inputs = StaticInputs(device, static=False)
         self.attention = "sdpa"
         self.block_masks: dict[tuple[int, int, int], PagedBlockMask] = {}  # (pool, rows, queries) -> mask
-        self.tree_graph, self.inputs_graph = beam_tree, tree_inputs
+        self.lattice = lattice
+        self.tree_graph, self.inputs_graph = lattice_tree if lattice else beam_tree, tree_inputs
         self.accept_graph, self.pack_graph = tree_verdicts, pack_buffers
 
     def setup(self, config: EngineConfig, deepest: int) -> int:
@@ -72,7 +76,7 @@ class RoundShapes:
             return 0
         if self.device.type != "cpu" or capture.COMPILE_ROUND_ON_CPU:
             rounds = len(self.batch_buckets) * len(self.node_buckets)
-            graphs = (beam_tree, tree_inputs, tree_verdicts, pack_buffers)
+            graphs = (self.tree_graph, tree_inputs, tree_verdicts, pack_buffers)
             shapes = (rounds, rounds, 2 * rounds, rounds)  # the acceptance: greedy, and with a sampled row
             self.tree_graph, self.inputs_graph, self.accept_graph, self.pack_graph = (
                 compile_forward(fn, self.device, n, cuda_graphs=False)

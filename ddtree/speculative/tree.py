@@ -230,11 +230,11 @@ def build_tree_batch(
     roots: torch.Tensor,
     spec: TreeSpec,
     shape: TreeShape | None = None,
-    beam: Callable | None = None,
+    builder: Callable | None = None,
     rows: int | None = None,
 ) -> TreeBatch:
     """Every row's best-first tree at once, on the device with no host sync: the host prepares the rows'
-    sizes and branching, ``beam_tree`` (or ``beam``, its compiled graph for ``shape``) builds the trees.
+    sizes and branching, ``beam_tree`` (or ``builder``, its compiled graph for ``shape``) builds the trees.
 
     ``vals`` / ``ids`` [B, L, K] are each row's candidates (``draft_candidates``; with a ``shape``, K =
     ``shape.k`` and L >= ``shape.depths``), ``roots`` [B] the roots' tokens. Without a ``shape`` the beam
@@ -242,9 +242,9 @@ def build_tree_batch(
     the rows past it are a fixed shape's dummies: no node at all, and the batch holds the first ``rows``
     (views) with the whole in ``padded``.
 
-    ``vals`` [B, L, K, K] are a DFlash2 lattice's edge log-probs instead (``lattice_tree`` builds the trees,
-    ``beam`` is for the marginal beam only): ``ids`` are its candidates, and ``shape.k`` need only bound a
-    node's children (K, or fewer nodes), so a fixed shape's bucket is the marginal beam's.
+    ``vals`` [B, L, K, K] are a DFlash2 lattice's edge log-probs instead (``lattice_tree``, or ``builder``,
+    its graph, builds the trees): ``ids`` are its candidates, and ``shape.k`` need only bound a node's
+    children (K, or fewer nodes), so a fixed shape's bucket is the marginal beam's.
     """
     b, k, lattice = vals.shape[0], vals.shape[-1], vals.dim() == 4
     device = vals.device
@@ -270,10 +270,10 @@ def build_tree_batch(
     allowed = np.where(np.arange(shape.depths)[None] < spec.depths[:, None], spec.topks[:, None], 0)
     allowed_t, sizes_t = upload(allowed, device), upload(sizes, device)
     if lattice:
-        tokens, depths, parents, logw = lattice_tree(vals, ids, roots, allowed_t, sizes_t, shape)
+        tokens, depths, parents, logw = (builder or lattice_tree)(vals, ids, roots, allowed_t, sizes_t, shape)
     else:
         plan = beam_plan(shape, device)
-        tokens, depths, parents, logw = (beam or beam_tree)(vals, ids, roots, allowed_t, sizes_t, plan)
+        tokens, depths, parents, logw = (builder or beam_tree)(vals, ids, roots, allowed_t, sizes_t, plan)
     depth = int(np.minimum(spec.depths, sizes - 1).max())  # a tree of m nodes is at most m - 1 deep
     if rows is None:
         return TreeBatch(tokens, depths, parents, logw, sizes, depth, shape.k, sizes_t)

@@ -129,6 +129,7 @@ def test_a_t0_mismatch_fails_the_run_loudly(setup, tmp_path, capsys, monkeypatch
         (["--budgets", "4,x"], "--budgets must be a comma-separated list"),
         (["--budgets", "0"], "budget must be an integer >= 1 or 'auto', got 0"),
         (["--temperatures", "-1"], "--temperatures must be numbers >= 0"),
+        (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
         (["--repeats", "0"], "--repeats must be >= 1"),
         (["--tree-vocab", "-1"], "--tree-vocab must be >= 0"),
         (["--max-new-tokens", "500"], "exceeds the target's context"),
@@ -152,6 +153,18 @@ def test_register_bench_adds_the_subcommand():
     defaults = parser.parse_args(["bench"])
     assert defaults.methods == ("ar", "dflash", "ddtree", "hf", "hf-pld")
     assert defaults.budgets == ("auto", 4, 8, 16, 32, 64, 128) and defaults.temperatures == (0.0, 1.0)
+
+
+def test_top_p_shapes_the_sampled_runs_only(setup, tmp_path):
+    cfg = runner.BenchConfig(("ar",), (), temperatures=(0.0, 0.7), max_new_tokens=8, top_p=0.95)
+    sampled, greedy = cfg.sampling(0.7, seed=3), cfg.sampling(0.0, seed=3)
+    assert (sampled.temperature, sampled.top_p, sampled.seed, sampled.max_new_tokens) == (0.7, 0.95, 3, 8)
+    assert greedy.greedy and greedy.top_p == 1.0
+    out = tmp_path / "out"
+    flags = "--methods ar,ddtree --budgets 4 --temperatures 0.7 --top-p 0.9 --num-prompts 1 --repeats 1"
+    main(bench_args(setup, out, *flags.split(), "--max-new-tokens", "6", "--tree-vocab", "0"))
+    assert json.loads((out / "results.json").read_text())["config"]["top_p"] == 0.9
+    assert "## Temperature 0.7, top-p 0.9" in (out / "results.md").read_text()
 
 
 def test_prompt_files(setup, tmp_path):

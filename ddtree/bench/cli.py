@@ -41,6 +41,7 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
                    help="ddtree budgets, comma-separated")  # fmt: skip
     p.add_argument("--temperatures", type=comma_list(float, "--temperatures"), default="0,1",
                    help="sampling temperatures, comma-separated; 0 = greedy")  # fmt: skip
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p of the sampled runs (T > 0)")
     p.add_argument("--prompts", default="builtin", help="'builtin' or a FILE.jsonl")
     p.add_argument("--num-prompts", type=int, default=16, help="first N prompts; 0 = all")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per response")
@@ -213,6 +214,7 @@ def run_bench_command(args: argparse.Namespace) -> None:
         seed=args.seed,
         warmup=args.warmup,
         pld_tokens=args.pld_tokens,
+        top_p=args.top_p,
         compile=args.compile,
     )
     apply_threads(args.threads)
@@ -268,6 +270,7 @@ def bench_engines(args: argparse.Namespace, cfg, prompts, engines: dict, target_
             "methods": list(cfg.methods),
             "budgets": list(cfg.budgets) if "ddtree" in cfg.methods else [],
             "temperatures": list(cfg.temperatures),
+            "top_p": cfg.top_p,
             "max_new_tokens": cfg.max_new_tokens,
             "repeats": cfg.repeats,
             "warmup": cfg.warmup,
@@ -324,6 +327,7 @@ def run_concurrency_command(args: argparse.Namespace, cfg, engines, prompt_ids: 
             "methods": [m for m in cfg.methods if m in ("ar", "dflash", "ddtree")],
             "budgets": list(cfg.budgets),
             "temperatures": list(cfg.temperatures),
+            "top_p": cfg.top_p,
             "concurrency": list(args.concurrency),
             "max_new_tokens": cfg.max_new_tokens,
             "topk": cfg.topk,

@@ -20,7 +20,7 @@ from dataclasses import replace
 from tqdm import tqdm
 
 from ddtree.bench.runner import BenchConfig, Spec, pick_engine, seed_for
-from ddtree.request.params import AUTO, SamplingParams
+from ddtree.request.params import AUTO
 from ddtree.request.stats import mean_acceptance_length
 
 
@@ -44,11 +44,7 @@ def run_level(
     while pending or engine.has_unfinished_requests():
         while pending and engine.num_running + engine.num_waiting < concurrency:
             i = pending.popleft()
-            params = SamplingParams(
-                temperature=temperature,
-                seed=seed_for(cfg.seed, i % len(prompt_ids), 0),
-                max_new_tokens=cfg.max_new_tokens,
-            )
+            params = cfg.sampling(temperature, seed_for(cfg.seed, i % len(prompt_ids), 0))
             rid = engine.add_request(
                 prompt_ids[i % len(prompt_ids)], params, method=spec.method, budget=budget, topk=cfg.topk
             )

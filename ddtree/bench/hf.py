@@ -54,8 +54,8 @@ def hf_generate(
     ids = torch.tensor([prompt_ids], device=device)
     eos = sorted(eos_ids) or None
     sampling = {"do_sample": False}
-    if not params.greedy:  # the engine's target distribution: softmax(logits / T), nothing else
-        sampling = {"do_sample": True, "temperature": params.temperature, "top_k": 0, "top_p": 1.0}
+    if not params.greedy:  # the engine's target distribution: softmax(logits / T) under top-p, nothing else
+        sampling = {"do_sample": True, "temperature": params.temperature, "top_k": 0, "top_p": params.top_p}
     if pld_tokens:
         sampling["prompt_lookup_num_tokens"] = pld_tokens
     if params.seed is not None:

@@ -57,7 +57,8 @@ def markdown(results: dict) -> str:
     ]
     for temperature in dict.fromkeys(r["temperature"] for r in rows):
         mine = [r for r in rows if r["temperature"] == temperature]
-        out += ["", f"## Temperature {temperature:g}", ""]
+        top_p = cfg.get("top_p", 1.0) if temperature > 0 else 1.0
+        out += ["", f"## Temperature {temperature:g}" + (f", top-p {top_p:g}" if top_p < 1 else ""), ""]
         out += _main_table(mine, machine["memory_kind"])
         out += _stage_table([r for r in mine if r["stages"] is not None])
         chain = next((r for r in mine if r["method"] == "dflash"), None)

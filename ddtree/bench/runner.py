@@ -63,6 +63,7 @@ class BenchConfig:
     warmup: int = 1
     pld_tokens: int = 10
     compile: bool = False  # also run every engine configuration on the compiled engine
+    top_p: float = 1.0  # of the sampled runs (T > 0)
 
     def __post_init__(self) -> None:
         bad = [m for m in self.methods if m not in ALL_METHODS]
@@ -87,6 +88,15 @@ class BenchConfig:
                 raise DDTreeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
             raise DDTreeError(f"--warmup must be >= 0, got {self.warmup}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise DDTreeError(f"--top-p must be in (0, 1], got {self.top_p}")
+
+    def sampling(self, temperature: float, seed: int) -> SamplingParams:
+        """One response's parameters: greedy at T = 0, else T and the configured top-p."""
+        top_p = self.top_p if temperature > 0 else 1.0
+        return SamplingParams(
+            temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=self.max_new_tokens
+        )
 
     @property
     def specs(self) -> list[Spec]:
@@ -185,9 +195,7 @@ def run_bench(
 
     def run(spec: Spec, i: int, temperature: float, repeat: int) -> dict:
         bar.set_postfix_str(f"{spec.label} T={temperature:g} prompt {i}", refresh=False)
-        params = SamplingParams(
-            temperature=temperature, seed=seed_for(cfg.seed, i, repeat), max_new_tokens=cfg.max_new_tokens
-        )
+        params = cfg.sampling(temperature, seed_for(cfg.seed, i, repeat))
         record = run_one(engines, spec, prompt_ids[i], params, cfg)
         bar.update()
         return record

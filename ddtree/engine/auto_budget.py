@@ -3,7 +3,8 @@ does not pay at all. The math (cost model, calibration, the greedy choice) is
 ``ddtree.speculative.budget``'s; this is
 where the engine feeds it what it measured and acts on its answer.
 
-When the chosen trees stop paying against rounds without the drafter (a moving average over drafting rounds),
+When the chosen trees surely stop paying against rounds without the drafter (the upper confidence bound of a
+moving average over drafting rounds: one round's ratio follows how sure the drafter is at that one position),
 auto rows run plain rounds for a stretch, then probe again. A probe learns even when it verifies nothing:
 whether the target's next token equals the drafter's likeliest first token is exactly whether that node would
 have been accepted, greedy or sampled. Stretches double while probes fail (1, 2, 4, ...), and may grow until
@@ -28,6 +29,7 @@ from ddtree.engine.verifier import Verdicts
 from ddtree.speculative.budget import (
     AcceptanceCalibration,
     CostModel,
+    MovingRatio,
     choose_counts,
     conditional_probs,
     tree_acceptance,
@@ -40,6 +42,7 @@ AUTO_MAX_BACKOFF = 128  # stretches double up to this, or longer where a probe c
 PROBE_SHARE = 0.02  # ... this share of the plain rounds between two probes
 START_WIDTH = 8  # drafted nodes a new request starts from (while drafting pays)
 RECENT = 0.3  # weight of the newest drafting round in the moving average that decides
+SURE = 2.0  # drafting stops when the average's upper bound (this many standard errors) is below plain's
 RARELY_ACCEPTED = 0.1  # below this rate of accepted first drafts, the drafter does not fit the target
 EVIDENCE = 4  # first drafts seen before the rate is trusted
 
@@ -74,7 +77,7 @@ class AutoBudget:
         self.status = AutoStatus()
         self._costs_measured = False
         self._seeding = False  # this round ran the seeding forwards
-        self._ratio: float | None = None  # moving average: expected tokens/s drafting over plain
+        self._ratio = MovingRatio(RECENT)  # expected tokens/s drafting over plain, over drafting rounds
         self._auto_backoff = 0  # length of the last stretch of plain rounds: 1, 2, 4, ... AUTO_MAX_BACKOFF
         self._first: deque[bool] = deque(maxlen=64)  # recent first drafts: accepted or not
         self._said: set[str] = set()  # the kinds of reasons to run plain already logged
@@ -122,12 +125,14 @@ class AutoBudget:
         self.status.plain_round_ms = 1e3 * plain_seconds
         # Drafting pays when the chosen trees beat a plain round that skips the drafter. One uncertain
         # position (a new line, a name) says little about the next rounds: the decision follows a moving
-        # average of that ratio over drafting rounds, except that a probe decides on its own.
-        ratio = rate / plain_rate
+        # average of that ratio over drafting rounds and stops only when even its upper confidence bound
+        # loses (the first rounds of a request never decide alone); a probe decides on its own.
         probe = not self.status.drafting
-        self._ratio = ratio if probe or self._ratio is None else (1 - RECENT) * self._ratio + RECENT * ratio
+        if probe:
+            self._ratio.reset()
+        self._ratio.add(rate / plain_rate)
         widths = counts
-        if self._ratio >= 1.0:
+        if (self._ratio.mean if probe else self._ratio.upper(SURE)) >= 1.0:
             self._auto_backoff = 0
             self._say(True, "drafting", AutoStatus.reason)
         else:  # plain rounds for a stretch: 1, 2, 4, ... up to where the probes cost PROBE_SHARE or less;

@@ -86,6 +86,41 @@ class CostModel:
         return np.maximum(self.overhead.predict(tokens) + self.verify.predict(tokens) + draft, 1e-9)
 
 
+@dataclass
+class MovingRatio:
+    """An exponentially weighted mean of per-round ratios (drafting over plain, expected tokens per second)
+    with its uncertainty: a round's ratio follows how sure the drafter is at that one position, so a few
+    rounds are a few samples, and the weighted mean's standard error (from the weighted variance and the
+    weights' effective sample size) says how far the next rounds may lie from it."""
+
+    recent: float  # weight of the newest round
+    _w: float = 0.0  # sum of weights
+    _w2: float = 0.0  # sum of squared weights
+    _sum: float = 0.0  # weighted sum of ratios
+    _sq: float = 0.0  # weighted sum of squared ratios
+
+    def reset(self) -> None:
+        self._w = self._w2 = self._sum = self._sq = 0.0
+
+    def add(self, ratio: float) -> None:
+        keep = 1.0 - self.recent if self._w else 0.0
+        weight = self.recent if self._w else 1.0
+        self._w, self._w2 = keep * self._w + weight, keep * keep * self._w2 + weight * weight
+        self._sum, self._sq = keep * self._sum + weight * ratio, keep * self._sq + weight * ratio * ratio
+
+    @property
+    def mean(self) -> float:
+        return self._sum / self._w if self._w else float("nan")
+
+    def upper(self, z: float) -> float:
+        """mean + z standard errors; infinite before two rounds (one round says nothing of its spread)."""
+        samples = self._w * self._w / self._w2 if self._w2 else 0.0  # effective sample size
+        if samples < 2.0 - 1e-9:
+            return float("inf")
+        var = max(self._sq / self._w - self.mean**2, 0.0) * samples / (samples - 1)
+        return self.mean + z * (var / samples) ** 0.5
+
+
 class AcceptanceCalibration:
     """P(a drafted node is accepted | its parent was, and the drafter's probability of its token given the
     parent), learned per kind ("greedy", "sampled").

@@ -10,7 +10,7 @@ import torch
 
 from ddtree.engine import Engine
 from ddtree.request.params import SamplingParams
-from ddtree.speculative.budget import AcceptanceCalibration, CostModel, LinearCost, choose_counts
+from ddtree.speculative.budget import AcceptanceCalibration, CostModel, LinearCost, MovingRatio, choose_counts
 from tests.test_engine_greedy import PROMPTS, hf_greedy
 
 
@@ -157,3 +157,27 @@ def test_auto_works_before_any_cost_is_measured(pair):
     result = engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=20))
     assert result.token_ids == hf_greedy(target, PROMPTS[0], 20)
     assert engine.auto.cost.verify.fixed > 0
+
+
+def test_the_moving_ratio_is_the_weighted_average_and_is_unsure_until_rounds_agree():
+    """The mean is the exponentially weighted average (the newest round 0.3); the upper bound is infinite
+    until the weights hold two rounds' worth of evidence, equals the mean when the rounds agree, and sits
+    above it by the weighted spread over the effective sample size otherwise."""
+    ratios = [0.4, 1.8, 0.6, 0.5, 1.1, 0.45]
+    moving, want = MovingRatio(0.3), None
+    for i, r in enumerate(ratios):
+        moving.add(r)
+        want = r if want is None else 0.7 * want + 0.3 * r
+        assert moving.mean == pytest.approx(want)
+        if i < 2:  # weights 1 / (0.7, 0.3): 1 and 1.72 effective samples
+            assert moving.upper(2.0) == float("inf")
+    weights = np.array([0.7**5] + [0.3 * 0.7 ** (4 - i) for i in range(5)])  # oldest first
+    n = weights.sum() ** 2 / (weights**2).sum()
+    spread = np.sqrt((weights * (np.array(ratios) - want) ** 2).sum() / weights.sum() * n / (n - 1))
+    assert moving.upper(2.0) == pytest.approx(want + 2.0 * spread / np.sqrt(n))
+    agreed = MovingRatio(0.3)
+    for _ in range(4):
+        agreed.add(0.6)
+    assert agreed.upper(2.0) == pytest.approx(0.6)
+    agreed.reset()
+    assert np.isnan(agreed.mean) and agreed.upper(2.0) == float("inf")

@@ -46,12 +46,12 @@ class SamplingTensors:
         if any(p.greedy for p in params):
             raise ValueError("sampling tensors need temperature > 0; greedy decoding takes the argmax")
         columns = np.array([(p.temperature, p.top_k, p.top_p, p.min_p) for p in params], dtype=np.float64)
-        host = torch.from_numpy(columns.T.copy())  # [4, B]: one upload per dtype, no Python loop per field
+        cols = upload(columns.T, torch.device(device))  # [4, B]: one pinned upload, cast on the device
         return cls(
-            temperature=host[0].float().to(device, non_blocking=True),
-            top_k=host[1].long().to(device, non_blocking=True),
-            top_p=host[2].to(device, non_blocking=True),
-            min_p=host[3].float().to(device, non_blocking=True),
+            temperature=cols[0].float(),
+            top_k=cols[1].long(),  # integers below 2^53: exact in float64
+            top_p=cols[2],
+            min_p=cols[3].float(),
             max_top_k=max(p.top_k for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
             any_min_p=any(p.min_p > 0.0 for p in params),

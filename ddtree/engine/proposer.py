@@ -85,8 +85,12 @@ class Proposer:
         """The draft head over the first ``depth`` drafted positions of ``hidden`` [D, block_size - 1, H]:
         float32 logits [D, depth, V]. The head is the target's LM head (V x H a position), so positions no
         tree reaches are not scored: a budget-1 tree reads one."""
-        h = hidden[:, :depth].to(self.runner.draft_head.dtype)  # [D, depth, H]
-        return F.linear(h, self.runner.draft_head, self.runner.draft_head_bias).float()
+        d, _, width = hidden.shape
+        # One [D * depth, H] matmul: F.linear of the strided 3-D slice ran as a bmm over the head expanded
+        # (copied) once per row, 35 ms of a 16-row round's 70 on this CPU.
+        h = hidden[:, :depth].to(self.runner.draft_head.dtype).reshape(d * depth, width)  # [D * depth, H]
+        logits = F.linear(h, self.runner.draft_head, self.runner.draft_head_bias).float()  # [D * depth, V]
+        return logits.view(d, depth, -1)
 
     def draft_pass(
         self,
@@ -218,7 +222,7 @@ class Proposer:
         logits = grammar_first_level(drafting, logits)
         if lattice:  # ids [D, depth, K], vals: edge log-probs [D, depth, K, K]
             anchors = shapes.inputs.upload(np.array([r.root for r in drafting]))  # [D]
-            ids, vals = runner.drafter.lattice(hidden[:, :depth], logits, anchors)
+            ids, vals = runner.drafter.lattice(hidden[:, :depth].contiguous(), logits, anchors)
         else:
             vals, ids = draft_candidates(logits, k)  # [D, depth, K] each
         if len(drafting) < bp:  # rows that do not draft this round get candidates they never read

@@ -5,9 +5,9 @@ for every prefix of the pop order, the expected number of tokens it commits: 1 (
 the drafted nodes' acceptance probabilities. Those come from the drafter's path probabilities, calibrated
 online against what the target really accepted (the drafter may be over- or under-confident, and differently
 for greedy and sampled rows). The seconds a round costs come from a cost model measured on the running
-machine: the target forward as a linear function of the tokens it processes, the drafter pass as a linear
-function of its rows, and the round's fixed overhead. The choice grows all rows' trees in one global
-best-first order while the batch's expected tokens per second still rise (SmartSpec's goodput rule,
+machine: the target forward as a linear function of the tokens it processes, the drafter pass and its trees
+as a linear function of its rows, and the round's fixed overhead. The choice grows all rows' trees in one
+global best-first order while the batch's expected tokens per second still rise (SmartSpec's goodput rule,
 arXiv 2406.14066). Output is lossless whatever is chosen: verification accepts from any tree.
 """
 
@@ -60,8 +60,9 @@ class LinearCost:
 class CostModel:
     """Seconds of one round: the target forward over ``tokens`` (all rows, padded) with the LM head and
     sampling over the verified nodes (both grow with the tokens: counted as the rest, a level, they made
-    trees look free at batch 16 and T = 1, 0.42x plain decoding), the drafter pass over ``draft_rows`` rows
-    (0 = no pass), and the rest of the round (tree building, masks, the commit). The rest is a level:
+    trees look free at batch 16 and T = 1, 0.42x plain decoding), the drafter pass and the trees built from
+    it over ``draft_rows`` rows (0 = no pass: a plain round builds no tree; counted as the rest, the trees
+    were charged to plain rounds too), and the rest of the round (masks, the commit). The rest is a level:
     fitted against the tokens, one slow round among hundreds of plain ones (the first auto round of a
     process) made every tree token look milliseconds dear."""
 

@@ -158,8 +158,8 @@ def tree_verdicts(
         logits = F.linear(hidden[rows, cur], weight, bias)[:, None]
         return logits if node is None else node(logits, cur[:, None])
 
-    if not walk:
-        every = F.linear(hidden, weight, bias)  # [B, N, V]
+    if not walk:  # 2-D: a strided [B, N, H] (a bucket's rows and nodes) ran as a bmm over copies of the head
+        every = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight, bias).view(*hidden.shape[:2], -1)
         if node is not None:
             every = node(every, torch.arange(every.shape[1], device=every.device).expand(every.shape[:2]))
     if law is not None and law.finals is not None:  # SGLang's sibling-order rule

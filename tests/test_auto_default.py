@@ -51,6 +51,15 @@ def test_a_drafter_that_is_never_accepted_settles_on_plain_rounds_says_why_once_
     assert sum(n > 0 for n in again.stats.drafted_nodes) <= 2
 
 
+def test_sampled_rows_whose_drafts_are_rarely_the_targets_sample_blame_the_settings_not_the_drafter():
+    target = tiny_target(vocab=BIG_VOCAB)
+    engine = Engine(target, tiny_drafter(target))
+    result = engine.generate(list(range(3, 11)), SamplingParams(temperature=1.0, seed=0, max_new_tokens=240))
+    status = result.stats.auto
+    assert not status.drafting and "drafts are rarely accepted" in status.reason
+    assert "sampling settings" in status.reason and "trained for this target" not in status.reason
+
+
 def test_stretches_grow_past_the_doubling_cap_while_a_probe_costs_more_than_two_percent():
     target = tiny_target(vocab=BIG_VOCAB)
     probe_costs_50_rounds = CostModel(

@@ -79,7 +79,7 @@ class AutoBudget:
         self._seeding = False  # this round ran the seeding forwards
         self._ratio = MovingRatio(RECENT)  # expected tokens/s drafting over plain, over drafting rounds
         self._auto_backoff = 0  # length of the last stretch of plain rounds: 1, 2, 4, ... AUTO_MAX_BACKOFF
-        self._first: deque[bool] = deque(maxlen=64)  # recent first drafts: accepted or not
+        self._first: deque[tuple[bool, bool]] = deque(maxlen=64)  # recent first drafts: (greedy, accepted)
         self._said: set[str] = set()  # the kinds of reasons to run plain already logged
 
     @property
@@ -155,10 +155,14 @@ class AutoBudget:
         s = self.status
         rate = s.first_draft_acceptance
         if s.first_drafts >= EVIDENCE and rate is not None and rate < RARELY_ACCEPTED:
+            greedy = [accepted for is_greedy, accepted in self._first if is_greedy]
+            if len(greedy) >= EVIDENCE and sum(greedy) < RARELY_ACCEPTED * len(greedy):
+                advice = "check that the drafter was trained for this target"
+            else:  # sampled rows: the target's own entropy at these settings, not the drafter, is the cause
+                advice = "at these sampling settings the target's next token is rarely the drafter's guess"
             return "rarely accepted", (
                 f"drafts are rarely accepted (the drafter's first token was the target's in "
-                f"{s.first_drafts_accepted} of {s.first_drafts} rounds): running plain decoding; check that "
-                "the drafter was trained for this target"
+                f"{s.first_drafts_accepted} of {s.first_drafts} rounds): running plain decoding; {advice}"
             )
         expected = float(np.mean([g[0] if g.size else 0.0 for g in gains])) if gains else 0.0
         return "does not pay", (
@@ -208,9 +212,10 @@ class AutoBudget:
             steps = conditional_probs(seen.logw[i, :m], parents)
             self.calibration.observe(kind(r), steps[tried], accepted[tried])
             if i in seen.auto:
-                self._first.append(bool(seen.tokens[i, 1] == tokens[0]))  # node 1: the likeliest first draft
+                # node 1: the likeliest first draft
+                self._first.append((r.params.greedy, bool(seen.tokens[i, 1] == tokens[0])))
         self.status.first_drafts = len(self._first)
-        self.status.first_drafts_accepted = sum(self._first)
+        self.status.first_drafts_accepted = sum(accepted for _, accepted in self._first)
 
     def _record_rounds(
         self, rows: list[Request], sizes: np.ndarray, seen: AutoRound | None

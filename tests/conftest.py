@@ -28,6 +28,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+from ddtree.model.loader import DEFAULT_DRAFTER
 from ddtree.sglang import DraftTree
 from ddtree.speculative.drafter import DFlashDrafter, dflash_config
 
@@ -288,3 +289,30 @@ def real_size_models(root: Path, layers: int = 2) -> tuple[Path, Path]:
     drafter_config = dflash_config(config, num_layers=1, block_size=16, mask_token_id=2)
     DFlashDrafter(drafter_config).to(torch.bfloat16).save_pretrained(root / "drafter")
     return root / "target", root / "drafter"
+
+
+DFLASH2_ONLY = ("_conv.", "candidate_selector.")  # tensors a DFlash2 drafter has and a DFlash one has not
+
+
+def builtin_dflash(root: Path) -> Path:
+    """A DFlash checkpoint for the built-in target: the built-in drafter itself if it is one, else its
+    DFlash parts (the built-in DFlash2 drafter less its convolutions and candidate selector) written under
+    ``root``: trained attention and MLP weights, so its drafts are often accepted."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((DEFAULT_DRAFTER / "config.json").read_text())
+    if config["architectures"] == ["DFlashDraftModel"]:
+        return DEFAULT_DRAFTER
+    draft = config.pop("dflash_config")
+    config["block_size"] = config.get("block_size") or draft["block_size"]
+    config["architectures"] = ["DFlashDraftModel"]
+    config["dflash_config"] = {k: draft[k] for k in ("mask_token_id", "target_layer_ids")}
+    weights = load_file(str(DEFAULT_DRAFTER / "model.safetensors"))
+    out = root / "builtin-dflash"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    kept = {k: v for k, v in weights.items() if not any(part in k for part in DFLASH2_ONLY)}
+    save_file(kept, str(out / "model.safetensors"))
+    return out

@@ -309,8 +309,10 @@ def test_auto_rows_catch_up_a_long_backlog_with_repeated_fixed_passes(eager: Eng
 
     padded.proposer.draft_pass = spy
     params = SamplingParams(max_new_tokens=90)
-    got = padded.generate(PROMPTS[0], params)
-    assert got.token_ids == eager.generate(PROMPTS[0], params, method="ar").token_ids
+    # A prompt whose first drafts the built-in drafter gets right: on one whose first drafts all miss,
+    # auto rightly blames the drafter ("rarely accepted") and takes its longest stretch at once.
+    got = padded.generate(PROMPTS[1], params)
+    assert got.token_ids == eager.generate(PROMPTS[1], params, method="ar").token_ids
     rounds = [n for n, fixed in passes if fixed]
     assert max(rounds.count(n) for n in set(rounds)) >= 2  # one round, several passes
     probes = [a for a, n in zip(got.stats.acceptance_lengths, got.stats.drafted_nodes, strict=True) if n]

@@ -16,10 +16,11 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from ddtree.engine import Engine
 from ddtree.errors import DDTreeError
-from ddtree.model.loader import DEFAULT_DRAFTER, DEFAULT_TARGET, load_drafter, load_target
+from ddtree.model.loader import DEFAULT_TARGET, load_drafter, load_target
 from ddtree.request.params import SamplingParams
 from ddtree.speculative.dflash2 import DFlash2Drafter, GroupedDynamicConv
 from ddtree.speculative.drafter import DFlashDrafter
+from tests.conftest import builtin_dflash
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "for i in range(10):"]
 NEW = 24
@@ -114,16 +115,18 @@ def write(directory: Path, config: dict, weights: dict[str, torch.Tensor]) -> Pa
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """Two DFlash2 checkpoints for the built-in target: ``random`` (every tensor random, a scaled and
-    capped head, scaled embeddings) and ``converted`` (the built-in DFlash drafter's tensors, identity
-    convolutions, a random selector)."""
+    """Checkpoints for the built-in target: ``dflash`` (a DFlash drafter, ``builtin_dflash``) and two
+    DFlash2 ones, ``random`` (every tensor random, a scaled and capped head, scaled embeddings) and
+    ``converted`` (the DFlash drafter's tensors, identity convolutions, a random selector)."""
     root = tmp_path_factory.mktemp("dflash2")
-    base = json.loads((DEFAULT_DRAFTER / "config.json").read_text())
+    dflash = builtin_dflash(root)
+    base = json.loads((dflash / "config.json").read_text())
     scaled = dict(input_embedding_scale=1.5, output_multiplier=0.2, final_logit_softcapping=20.0)
     random_config = public_config(base, **scaled)
     converted_config = public_config(base)
-    builtin_weights = load_file(str(DEFAULT_DRAFTER / "model.safetensors"))
+    builtin_weights = load_file(str(dflash / "model.safetensors"))
     return {
+        "dflash": dflash,
         "random": write(root / "random", random_config, random_weights(random_config)),
         "converted": write(
             root / "converted", converted_config, random_weights(converted_config, 1, builtin_weights)
@@ -150,7 +153,7 @@ def block_hidden(drafter, target, seed: int = 0) -> torch.Tensor:
 
 
 def test_public_checkpoints_load_every_tensor(checkpoints):
-    for directory in checkpoints.values():
+    for directory in (checkpoints["random"], checkpoints["converted"]):
         drafter = load_drafter(directory)
         assert isinstance(drafter, DFlash2Drafter) and drafter.block_size == 16
         stored = load_file(str(directory / "model.safetensors"))
@@ -164,7 +167,7 @@ def test_public_checkpoints_load_every_tensor(checkpoints):
 
 def test_identity_convolutions_reproduce_the_dflash_drafter(builtin, checkpoints):
     target, _ = builtin
-    dflash = load_drafter(DEFAULT_DRAFTER)
+    dflash = load_drafter(checkpoints["dflash"])
     dflash2 = load_drafter(checkpoints["converted"])
     assert type(dflash) is DFlashDrafter
     torch.testing.assert_close(block_hidden(dflash2, target), block_hidden(dflash, target), rtol=0, atol=0)

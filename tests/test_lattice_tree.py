@@ -20,12 +20,13 @@ from safetensors.torch import load_file
 from ddtree.engine import Engine
 from ddtree.engine.proposer import Proposer
 from ddtree.model.capture import node_ladder, pick
-from ddtree.model.loader import DEFAULT_DRAFTER, DEFAULT_TARGET, load_drafter, load_target
+from ddtree.model.loader import DEFAULT_TARGET, load_drafter, load_target
 from ddtree.request.params import SamplingParams
 from ddtree.speculative.dflash2 import DFlash2Drafter
 from ddtree.speculative.drafter import dflash_config
 from ddtree.speculative.tree import TreeShape, TreeSpec, build_tree_batch, lattice_tree
 from tests import test_sampling_lossless as lossless
+from tests.conftest import builtin_dflash
 from tests.oracles import tree_row
 from tests.test_dflash2 import SELECTOR, public_config, random_weights, write
 
@@ -196,13 +197,13 @@ def test_branching_one_follows_the_greedy_edge():
 
 @pytest.fixture(scope="module")
 def builtin_pair(tmp_path_factory):
-    """The built-in target and a DFlash2 drafter over the built-in DFlash drafter's trained layers
-    (identity convolutions) with a random candidate selector: drafts are accepted, and the selector's
-    pair scores move the lattice away from the marginals."""
+    """The built-in target and a DFlash2 drafter over the built-in drafter's trained DFlash layers
+    (``builtin_dflash``; identity convolutions) with a random candidate selector: drafts are accepted,
+    and the selector's pair scores move the lattice away from the marginals."""
     target, tokenizer = load_target(DEFAULT_TARGET)
-    base = json.loads((DEFAULT_DRAFTER / "config.json").read_text())
-    config = public_config(base)
-    weights = random_weights(config, 1, load_file(str(DEFAULT_DRAFTER / "model.safetensors")))
+    dflash = builtin_dflash(tmp_path_factory.mktemp("dflash"))
+    config = public_config(json.loads((dflash / "config.json").read_text()))
+    weights = random_weights(config, 1, load_file(str(dflash / "model.safetensors")))
     drafter = load_drafter(write(tmp_path_factory.mktemp("dflash2") / "converted", config, weights))
     assert isinstance(drafter, DFlash2Drafter)
     return target, drafter, tokenizer

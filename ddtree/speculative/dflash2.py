@@ -191,8 +191,9 @@ class CandidateSelector(nn.Module):
         """Edge scores [B, L, P (predecessor), K (candidate)], float32. The lattice passes every candidate
         of the position before (the anchor for l = 0); training passes the true previous token (P = 1)."""
         z = self.hidden_projection(hidden).float()  # [B, L, R]
-        modulated = self.predecessor_codebook[previous_ids].float() * z[:, :, None]  # [B, L, P, R]
-        successors = self.successor_codebook[candidate_ids].float()  # [B, L, K, R]
+        predecessors = F.embedding(previous_ids, self.predecessor_codebook)  # [B, L, P, R] (no index op)
+        modulated = predecessors.float() * z[:, :, None]  # [B, L, P, R]
+        successors = F.embedding(candidate_ids, self.successor_codebook).float()  # [B, L, K, R]
         pair = torch.matmul(modulated, successors.transpose(-1, -2))  # [B, L, P, K]
         return candidate_logits.float()[:, :, None, :] + pair
 

@@ -126,14 +126,22 @@ class AutoBudget:
         # Drafting pays when the chosen trees beat a plain round that skips the drafter. One uncertain
         # position (a new line, a name) says little about the next rounds: the decision follows a moving
         # average of that ratio over drafting rounds and stops only when even its upper confidence bound
-        # loses (the first rounds of a request never decide alone); a probe decides on its own.
+        # loses (the first rounds of a request never decide alone). After a stop the evidence is against
+        # drafting: a probe decides on its own, and the rounds it resumes go on while their mean pays and
+        # clear the stop's record (the doubling stretches) only once two rounds' worth of them has.
         probe = not self.status.drafting
+        suspect = self._auto_backoff > 0
         if probe:
             self._ratio.reset()
-        self._ratio.add(rate / plain_rate)
+        # Until a drafter pass has been timed its cost is a guess of 0, which made the first two rounds
+        # look 4x better than the rest and kept the average up for nine rounds at T = 1 and 16 rows.
+        if self.cost.frozen or self.cost.draft.observed:
+            self._ratio.add(rate / plain_rate)
         widths = counts
-        if (self._ratio.mean if probe else self._ratio.upper(SURE)) >= 1.0:
-            self._auto_backoff = 0
+        bound = self._ratio.mean if probe or suspect else self._ratio.upper(SURE)
+        if not self._ratio.samples or bound >= 1.0:  # no timed drafter pass yet: no decision
+            if self._ratio.samples >= 2.0 - 1e-9:
+                self._auto_backoff = 0
             self._say(True, "drafting", AutoStatus.reason)
         else:  # plain rounds for a stretch: 1, 2, 4, ... up to where the probes cost PROBE_SHARE or less;
             # at once there when the first drafts are rarely accepted (the drafter does not fit the target)

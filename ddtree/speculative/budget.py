@@ -38,6 +38,11 @@ class LinearCost:
     def predict(self, units: float) -> float:
         return self.fixed + self.per_unit * units
 
+    @property
+    def observed(self) -> bool:
+        """Whether any measurement came in (before it the cost is its initial guess)."""
+        return bool(self._stats[0] > 0)
+
     def observe(self, units: float, seconds: float) -> None:
         self._stats = self.decay * self._stats + np.array(
             [1.0, units, seconds, units * units, units * seconds]
@@ -113,9 +118,14 @@ class MovingRatio:
     def mean(self) -> float:
         return self._sum / self._w if self._w else float("nan")
 
+    @property
+    def samples(self) -> float:
+        """The weights' effective sample size: (sum w)^2 / sum w^2."""
+        return self._w * self._w / self._w2 if self._w2 else 0.0
+
     def upper(self, z: float) -> float:
         """mean + z standard errors; infinite before two rounds (one round says nothing of its spread)."""
-        samples = self._w * self._w / self._w2 if self._w2 else 0.0  # effective sample size
+        samples = self.samples
         if samples < 2.0 - 1e-9:
             return float("inf")
         var = max(self._sq / self._w - self.mean**2, 0.0) * samples / (samples - 1)

@@ -179,5 +179,13 @@ def test_the_moving_ratio_is_the_weighted_average_and_is_unsure_until_rounds_agr
     for _ in range(4):
         agreed.add(0.6)
     assert agreed.upper(2.0) == pytest.approx(0.6)
+    assert agreed.samples == pytest.approx(1 / (0.7**6 + sum((0.3 * 0.7**i) ** 2 for i in range(3))))
     agreed.reset()
-    assert np.isnan(agreed.mean) and agreed.upper(2.0) == float("inf")
+    assert np.isnan(agreed.mean) and agreed.upper(2.0) == float("inf") and agreed.samples == 0
+
+
+def test_a_cost_is_a_guess_until_measured():
+    cost = LinearCost(fixed=0.0)
+    assert not cost.observed and cost.predict(4) == 0.0
+    cost.observe(4, 0.02)
+    assert cost.observed and cost.predict(4) == pytest.approx(0.02)

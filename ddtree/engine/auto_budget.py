@@ -140,7 +140,7 @@ class AutoBudget:
         widths = counts
         bound = self._ratio.mean if probe or suspect else self._ratio.upper(SURE)
         if not self._ratio.samples or bound >= 1.0:  # no timed drafter pass yet: no decision
-            if self._ratio.samples >= 2.0 - 1e-9:
+            if self._ratio.settled:
                 self._auto_backoff = 0
             self._say(True, "drafting", AutoStatus.reason)
         else:  # plain rounds for a stretch: 1, 2, 4, ... up to where the probes cost PROBE_SHARE or less;

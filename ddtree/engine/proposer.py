@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ddtree.engine.model_runner import ModelRunner
 from ddtree.engine.request import Request
 from ddtree.model.capture import upload
+from ddtree.model.precision import rows_linear
 from ddtree.request.penalties import NodePenalties
 from ddtree.speculative.dflash2 import DFlash2Drafter
 from ddtree.speculative.tree import TreeBatch, TreeShape, TreeSpec, build_tree_batch, draft_candidates
@@ -85,12 +85,8 @@ class Proposer:
         """The draft head over the first ``depth`` drafted positions of ``hidden`` [D, block_size - 1, H]:
         float32 logits [D, depth, V]. The head is the target's LM head (V x H a position), so positions no
         tree reaches are not scored: a budget-1 tree reads one."""
-        d, _, width = hidden.shape
-        # One [D * depth, H] matmul: F.linear of the strided 3-D slice ran as a bmm over the head expanded
-        # (copied) once per row, 35 ms of a 16-row round's 70 on this CPU.
-        h = hidden[:, :depth].to(self.runner.draft_head.dtype).reshape(d * depth, width)  # [D * depth, H]
-        logits = F.linear(h, self.runner.draft_head, self.runner.draft_head_bias).float()  # [D * depth, V]
-        return logits.view(d, depth, -1)
+        h = hidden[:, :depth].to(self.runner.draft_head.dtype)  # [D, depth, H], strided
+        return rows_linear(h, self.runner.draft_head, self.runner.draft_head_bias).float()
 
     def draft_pass(
         self,
@@ -222,7 +218,7 @@ class Proposer:
         logits = grammar_first_level(drafting, logits)
         if lattice:  # ids [D, depth, K], vals: edge log-probs [D, depth, K, K]
             anchors = shapes.inputs.upload(np.array([r.root for r in drafting]))  # [D]
-            ids, vals = runner.drafter.lattice(hidden[:, :depth].contiguous(), logits, anchors)
+            ids, vals = runner.drafter.lattice(hidden[:, :depth], logits, anchors)
         else:
             vals, ids = draft_candidates(logits, k)  # [D, depth, K] each
         if len(drafting) < bp:  # rows that do not draft this round get candidates they never read

@@ -123,11 +123,16 @@ class MovingRatio:
         """The weights' effective sample size: (sum w)^2 / sum w^2."""
         return self._w * self._w / self._w2 if self._w2 else 0.0
 
+    @property
+    def settled(self) -> bool:
+        """Two rounds' worth of evidence (one round says nothing of its spread)."""
+        return self.samples >= 2.0 - 1e-9
+
     def upper(self, z: float) -> float:
-        """mean + z standard errors; infinite before two rounds (one round says nothing of its spread)."""
-        samples = self.samples
-        if samples < 2.0 - 1e-9:
+        """mean + z standard errors; infinite until ``settled``."""
+        if not self.settled:
             return float("inf")
+        samples = self.samples
         var = max(self._sq / self._w - self.mean**2, 0.0) * samples / (samples - 1)
         return self.mean + z * (var / samples) ** 0.5
 

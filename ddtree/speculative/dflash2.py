@@ -46,6 +46,7 @@ from torch import nn
 from transformers import Qwen3Config
 
 from ddtree.errors import DDTreeError
+from ddtree.model.precision import rows_linear
 from ddtree.speculative.drafter import DFlashDecoderLayer, DFlashDrafter, default_target_layer_ids
 
 ARCHITECTURE = "DFlash2DraftModel"
@@ -190,7 +191,7 @@ class CandidateSelector(nn.Module):
     ) -> torch.Tensor:
         """Edge scores [B, L, P (predecessor), K (candidate)], float32. The lattice passes every candidate
         of the position before (the anchor for l = 0); training passes the true previous token (P = 1)."""
-        z = self.hidden_projection(hidden).float()  # [B, L, R]
+        z = rows_linear(hidden, self.hidden_projection.weight).float()  # [B, L, R]; hidden may be strided
         predecessors = F.embedding(previous_ids, self.predecessor_codebook)  # [B, L, P, R] (no index op)
         modulated = predecessors.float() * z[:, :, None]  # [B, L, P, R]
         successors = F.embedding(candidate_ids, self.successor_codebook).float()  # [B, L, K, R]
@@ -252,7 +253,7 @@ class DFlash2Drafter(DFlashDrafter):
         """Top-``selector_top_k`` ids [B, S-1, K] and draft logits [B, S-1, K] (descending) of the drafted
         positions 1 .. S-1 of the block hidden states [B, S, H], through ``lm_head`` [V, H]."""
         drafted = hidden[:, 1:]
-        logits = self.draft_logits(F.linear(drafted.to(lm_head.dtype), lm_head, bias))
+        logits = self.draft_logits(rows_linear(drafted.to(lm_head.dtype), lm_head, bias))
         values, ids = torch.topk(logits, self.settings.top_k, dim=-1)
         return ids, values
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ddtree.model.precision import rows_linear
 from ddtree.speculative.sampling import TargetLaw, emitted, walk_tree
 from ddtree.speculative.tree import PaddedTrees, TreeBatch, children_table
 
@@ -158,8 +159,8 @@ def tree_verdicts(
         logits = F.linear(hidden[rows, cur], weight, bias)[:, None]
         return logits if node is None else node(logits, cur[:, None])
 
-    if not walk:  # 2-D: a strided [B, N, H] (a bucket's rows and nodes) ran as a bmm over copies of the head
-        every = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight, bias).view(*hidden.shape[:2], -1)
+    if not walk:
+        every = rows_linear(hidden, weight, bias)  # [B, N, V]; hidden may be a bucket's strided real part
         if node is not None:
             every = node(every, torch.arange(every.shape[1], device=every.device).expand(every.shape[:2]))
     if law is not None and law.finals is not None:  # SGLang's sibling-order rule

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from ddtree.errors import DDTreeError
 from ddtree.model.loader import check_pair, eos_token_ids, load_drafter, load_target
+from ddtree.model.precision import rows_linear
 from ddtree.speculative.dflash2 import ARCHITECTURE as DFLASH2
 from ddtree.speculative.dflash2 import DFlash2Drafter, DFlash2Settings
 from ddtree.speculative.drafter import DFlashDrafter, dflash_config
@@ -246,7 +247,7 @@ def drafter_loss(
     labels = labels[valid]  # [N, S]
     if labels.numel() == 0:
         return hidden.sum() * 0.0, torch.tensor(1.0)
-    logits = lm_head(hidden[:, 1:]).float()  # [N, S-1, V]
+    logits = rows_linear(hidden[:, 1:], lm_head.weight, lm_head.bias).float()  # [N, S-1, V]
     teacher = None
     if target_logits is not None:
         teacher = teacher_log_probs(target_logits, positions.view(b, -1, s), valid, temperature)

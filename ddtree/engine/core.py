@@ -24,7 +24,7 @@ from ddtree.engine.proposer import Proposer
 from ddtree.engine.request import Request, StepOutput, StreamDelta
 from ddtree.engine.scheduler import Chunk, Scheduler
 from ddtree.engine.step_channel import TensorParallelError
-from ddtree.engine.verifier import Verifier, VerifyBatch
+from ddtree.engine.verifier import Verifier, VerifyBatch, exact_rows
 from ddtree.request.logprobs import TokenLogprobs, token_logprobs
 from ddtree.request.params import SamplingParams
 from ddtree.speculative.tree import PaddedTrees, TreeShape, beam_plan, draft_candidates
@@ -159,6 +159,7 @@ class EngineCore:
             self.shapes.block_tables(batch),
             features=any(r.drafts for r in batch),
             scored=scored,
+            exact=exact_rows(batch),
         )  # [B, V], [B, P, F * H], [L_i, H] per scored row
         drafting = [i for i, r in enumerate(batch) if r.drafts]
         self.proposer.ingest(

@@ -25,6 +25,7 @@ from ddtree.engine.round_shapes import RoundShapes
 from ddtree.engine.step_channel import StepChannel, close_channel, replicated
 from ddtree.model.capture import compile_forward, mark_static, tree_mask, upload
 from ddtree.model.forward import Float32Linear, TargetForward
+from ddtree.model.invariance import ExactRows, PathLayout
 from ddtree.model.kv_cache import KVLayout, PagedKVCache, pack_buffers
 from ddtree.model.precision import FLOAT32_PREFILL_TOKENS, draft_parts, emulated_half, head_floor_rows
 from ddtree.speculative.dflash2 import DFlash2Drafter
@@ -117,12 +118,18 @@ class ModelRunner:
 
     @replicated
     def prefill(
-        self, chunks: list[tuple[list[int], int]], tables: np.ndarray, features: bool, scored: tuple = ()
+        self,
+        chunks: list[tuple[list[int], int]],
+        tables: np.ndarray,
+        features: bool,
+        scored: tuple = (),
+        exact: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
         """Prompt chunks (tokens, and the columns already cached before them) into the rows whose block
         tables are ``tables``, as one right-padded causal forward: the logits of each chunk's last position
         [B, V], when ``features`` every position's drafter features [B, P, F * H], and the final hidden
-        states of every position [L_i, H] of the rows ``scored`` (prompt logprobs)."""
+        states of every position [L_i, H] of the rows ``scored`` (prompt logprobs). The rows ``exact`` are
+        computed batch-invariantly (``ddtree.model.invariance``), their last positions' logits too."""
         b, device = len(chunks), self.device
         lengths = np.array([len(ids) for ids, _ in chunks])  # [B]
         offsets = np.array([offset for _, offset in chunks])[:, None]  # [B, 1]
@@ -144,13 +151,15 @@ class ModelRunner:
         write = self.cache.at(tables_t, cols_t, span)
         feature_layers = self.drafter.target_layer_ids if features and self.drafter is not None else None
         upcast = emulated_half(device, self.dtype) and ids.size >= FLOAT32_PREFILL_TOKENS
-        with Float32Linear() if upcast else contextlib.nullcontext():
+        rows = self.exact_rows(exact, b)
+        with Float32Linear() if upcast and rows is None else contextlib.nullcontext():
             # MLA expands keys/values from the latent here: many queries per row (``ddtree.model.forward``)
-            hidden, feats = self.forward(ids_t, positions_t, write, mask, feature_layers, absorbed=False)
+            hidden, feats = self.forward(ids_t, positions_t, write, mask, feature_layers, False, rows)
         if self.channel is not None and not self.channel.leader:
             return None, None, []  # rank 0 alone reads the logits
         last = upload(lengths - 1, device)
-        logits = self.lm_head(hidden[torch.arange(b, device=device), last])  # [B, V]
+        with rows.linear() if rows is not None else contextlib.nullcontext():
+            logits = self.lm_head(hidden[torch.arange(b, device=device), last])  # [B, V]
         return logits, feats, [hidden[i, : lengths[i]] for i in scored]
 
     @replicated
@@ -164,11 +173,26 @@ class ModelRunner:
         tables: torch.Tensor,  # [B, width + 1]
         span: int,
         features: bool,
+        exact: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The round's target forward (``verify_forward``: compiled with fixed shapes), through this round's
-        flex block mask when ``attention="flex"``."""
+        flex block mask when ``attention="flex"``. A round with ``exact`` rows runs eagerly over SDPA, which
+        lays out their nodes' columns (``ddtree.model.invariance``)."""
+        rows = self.exact_rows(exact, ids.shape[0])
+        if rows is not None:
+            if ids.shape[1] > 1 and not self.forward.mla:  # MLA's absorbed form: not laid out yet
+                rows.layout = PathLayout.of(rows.rows, starts, anc, span)
+            args = (ids, positions, cols, starts, anc, tables, span, features)
+            return self.verify_forward_eager(*args, exact=rows)
         block_mask = self.shapes.block_mask(self.cache, tables, starts, anc, ids.shape[1])
         return self.verify_forward(ids, positions, cols, starts, anc, tables, span, features, block_mask)
+
+    def exact_rows(self, exact: tuple[int, ...], batch: int) -> ExactRows | None:
+        """The forward's exact rows on the device (None: none)."""
+        if not exact:
+            return None
+        rows = torch.tensor(exact, dtype=torch.int64).to(self.device, non_blocking=True)
+        return ExactRows(rows, exact, batch)
 
     @replicated(deferred=True)
     def pack(
@@ -196,6 +220,7 @@ class ModelRunner:
         span: int,
         features: bool,
         block_mask: BlockMask | None = None,
+        exact: ExactRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The round's target forward over every row's tree: final hidden states [B, N, H] and, when
         ``features`` (always with fixed shapes and a drafter: one graph per shape), drafter features
@@ -206,7 +231,8 @@ class ModelRunner:
             mask = tree_mask(starts, anc, span)  # [B, 1, N, span]
         else:
             write, mask = self.cache.at(tables, cols, None), block_mask
-        return self.forward(ids, positions, write, mask, self.drafter.target_layer_ids if features else None)
+        layers = self.drafter.target_layer_ids if features else None
+        return self.forward(ids, positions, write, mask, layers, exact=exact)
 
     def draft_forward_eager(
         self,

@@ -203,6 +203,11 @@ class Request:
     def auto(self) -> bool:
         return self.budget == AUTO
 
+    @property
+    def exact(self) -> bool:
+        """Its tokens must not depend on its batch or method: a seeded sample (``model.invariance``)."""
+        return self.params.seed is not None and not self.params.greedy
+
 
 @dataclass
 class StepOutput:

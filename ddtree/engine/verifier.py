@@ -8,6 +8,7 @@ in one copy. ``Scheduler.update_from_output`` writes them into the requests.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,10 +63,12 @@ class VerifyBatch:
     span: int  # columns attention reads: max_b (start_b + N_b) in whole blocks, or a span bucket
     rows: int  # real rows (the first ``rows`` of the batch)
     nodes: int  # real nodes of the widest tree
+    exact: tuple[int, ...] = ()  # rows computed batch-invariantly (``Request.exact``)
 
     def forward_args(self, features: bool) -> tuple:
         """The verify forward's inputs, in ``ModelRunner.verify``'s order."""
-        return self.ids, self.positions, self.cols, self.starts, self.anc, self.tables, self.span, features
+        args = self.ids, self.positions, self.cols, self.starts, self.anc, self.tables, self.span, features
+        return (*args, self.exact)
 
 
 class Verifier:
@@ -138,7 +141,7 @@ class Verifier:
             tensors = self.shapes.inputs.load(
                 True, ids=ids, positions=positions, cols=cols, starts=starts_t, anc=anc, tables=tables
             )
-            return VerifyBatch(*tensors, span=span, rows=b, nodes=n)
+            return VerifyBatch(*tensors, span=span, rows=b, nodes=n, exact=exact_rows(rows))
         ids = torch.zeros(bp, np_, dtype=torch.int64, device=device)
         positions = starts_t[:, None].repeat(1, np_)  # [Bp, Np]; padding sits at the root's position
         cols = torch.full((bp, np_), self.runner.cache.scratch, dtype=torch.int64, device=device)
@@ -159,7 +162,7 @@ class Verifier:
             anc=anc,
             tables=tables,
         )
-        return VerifyBatch(*tensors, span=span, rows=b, nodes=n)
+        return VerifyBatch(*tensors, span=span, rows=b, nodes=n, exact=exact_rows(rows))
 
     def accept(
         self, rows: list[Request], trees: TreeBatch, hidden: torch.Tensor, padded: torch.Tensor | None = None
@@ -177,7 +180,11 @@ class Verifier:
         (the round's second host read, while the verify forward runs)."""
         node = self.node_logits(rows, trees)
         too_wide = self.shapes.round_compiled and max((r.params.top_k for r in rows), default=0) > GRAPH_TOP_K
-        graph = padded is not None and trees.padded is not None and node is None and not too_wide
+        exact = exact_rows(rows)
+        # What a bucket's graph does not hold; exact rows' head runs under a mode (``InvariantLinear``),
+        # which an uncompiled bucket function takes as it is
+        eager = node is not None or too_wide or (bool(exact) and self.shapes.round_compiled)
+        graph = padded is not None and trees.padded is not None and not eager
         if graph:
             p, states, accept = trees.padded, padded, self.shapes.accept_graph
             depth = self.shapes.tree_depth(p.tokens.shape[1])
@@ -186,7 +193,8 @@ class Verifier:
             p = PaddedTrees(trees.tokens, trees.depths, trees.parents, trees.device_sizes())
             states, accept, depth = hidden, tree_verdicts, trees.depth
         law = self.law(rows, trees.sizes, p, graph)
-        accepted = self.decide(accept, p, states, law, depth, trees.branching, node)
+        with self.runner.exact_rows(exact, len(rows)).linear() if exact else contextlib.nullcontext():
+            accepted = self.decide(accept, p, states, law, depth, trees.branching, node)  # the LM head
         return accepted.head(len(rows)) if graph else accepted
 
     def decide(
@@ -307,6 +315,11 @@ class Verifier:
             )
             out.features.append(kept[i, :m] if r.drafts else None)  # [m, F * H]
         return out
+
+
+def exact_rows(rows: list[Request]) -> tuple[int, ...]:
+    """The batch indices of the rows computed batch-invariantly (``Request.exact``)."""
+    return tuple(i for i, r in enumerate(rows) if r.exact)
 
 
 def key_positions(rows: list[Request], device: torch.device, width: int = 0) -> tuple[torch.Tensor, ...]:

@@ -30,6 +30,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from torch.overrides import TorchFunctionMode
 
 from ddtree.model.attention import attend, attend_latent, fold_heads
+from ddtree.model.invariance import ExactRows
 from ddtree.model.kv_cache import CacheWrite, KVLayout
 from ddtree.model.tensor_parallel import TPGroup, is_mla
 
@@ -137,11 +138,27 @@ class TargetForward:
         mask: torch.Tensor | BlockMask,  # [B, 1, T, span] bool, True = attend; or flex's block mask
         feature_layers: list[int] | None = None,
         absorbed: bool = True,
+        exact: ExactRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Final hidden states [B, T, H] (before the LM head) and, when ``feature_layers`` is given, the
         drafter's features [B, T, F * H]: the outputs of those layers (the last one after the final norm,
         as HF reports it). ``absorbed`` picks MLA's form (the verify forward's; a prefill expands);
-        GQA targets ignore it."""
+        GQA targets ignore it. ``exact``: rows computed batch-invariantly (``ddtree.model.invariance``)."""
+        if exact is None:
+            return self.layers_forward(ids, positions, write, mask, feature_layers, absorbed, None)
+        with exact.linear():
+            return self.layers_forward(ids, positions, write, mask, feature_layers, absorbed, exact)
+
+    def layers_forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        write: CacheWrite,
+        mask: torch.Tensor | BlockMask,
+        feature_layers: list[int] | None,
+        absorbed: bool,
+        exact: ExactRows | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = self.embed(ids)  # [B, T, H]
         rope = self.rotary(x, positions)  # (cos, sin) [B, T, D] each; DeepSeek-V2: complex [B, T, D / 2]
         if self.mla and absorbed:
@@ -151,9 +168,9 @@ class TargetForward:
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
             if self.mla:
-                out = self.latent_attention(layer.self_attn, i, h, rope, write, mask, absorbed)
+                out = self.latent_attention(layer.self_attn, i, h, rope, write, mask, absorbed, exact)
             else:
-                out = self.attention(layer.self_attn, i, h, rope, write, mask)
+                out = self.attention(layer.self_attn, i, h, rope, write, mask, exact)
             x = x + self.reduce(out)
             x = x + self.reduce(layer.mlp(layer.post_attention_layernorm(x)))
             if feature_layers is not None and i in feature_layers and i != last:
@@ -165,9 +182,17 @@ class TargetForward:
         return x, torch.cat([kept[i] for i in feature_layers], dim=-1)
 
     def attention(
-        self, attn, i: int, h: torch.Tensor, rope: Rope, write: CacheWrite, mask: torch.Tensor | BlockMask
+        self,
+        attn,
+        i: int,
+        h: torch.Tensor,
+        rope: Rope,
+        write: CacheWrite,
+        mask: torch.Tensor | BlockMask,
+        exact: ExactRows | None = None,
     ) -> torch.Tensor:
-        """GQA (with q/k norms and qkv bias where the model has them): the o_proj output [B, T, H]."""
+        """GQA (with q/k norms and qkv bias where the model has them): the o_proj output [B, T, H]. The
+        ``exact`` rows attend once more as plain decoding would (``ExactRows.attend``)."""
         b, t, _ = h.shape
         q = attn.q_proj(h).view(b, t, self.num_heads, self.head_dim)
         k = attn.k_proj(h).view(b, t, self.num_kv_heads, self.head_dim)
@@ -177,6 +202,8 @@ class TargetForward:
         q, k = self.rotate(q.transpose(1, 2), k.transpose(1, 2), rope)  # [B, heads, T, D]
         keys, values = write.write(i, k, v)  # [B, kv_heads, span, D]
         out = attend(q, keys, values, mask, self.scaling)  # [B, heads, T, D]
+        if exact is not None:
+            out = exact.attend(out, q, keys, values, mask, self.scaling)
         return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def latent_attention(
@@ -188,6 +215,7 @@ class TargetForward:
         write: CacheWrite,
         mask: torch.Tensor | BlockMask,  # absorbed: folded over the heads (``fold_heads``)
         absorbed: bool,
+        exact: ExactRows | None = None,
     ) -> torch.Tensor:
         """MLA (HF's DeepseekV3Attention / DeepseekV2Attention, step by step): the o_proj output [B, T, H].
 
@@ -220,4 +248,6 @@ class TargetForward:
             keys = torch.cat((k_nope, k_pe), dim=-1)  # [B, heads, S, nope + rope]
             q = torch.cat((q_nope, q_rot), dim=-1)  # [B, heads, T, nope + rope]
             out = attend(q, keys, values, mask, self.scaling)  # [B, heads, T, v]
+            if exact is not None:  # a prefill's exact rows; the absorbed verify form has no path layout yet
+                out = exact.attend(out, q, keys, values, mask, self.scaling)
         return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))

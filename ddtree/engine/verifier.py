@@ -180,10 +180,10 @@ class Verifier:
         (the round's second host read, while the verify forward runs)."""
         node = self.node_logits(rows, trees)
         too_wide = self.shapes.round_compiled and max((r.params.top_k for r in rows), default=0) > GRAPH_TOP_K
-        exact = exact_rows(rows)
+        exact = self.runner.exact_rows(exact_rows(rows), len(rows))
         # What a bucket's graph does not hold; exact rows' head runs under a mode (``InvariantLinear``),
         # which an uncompiled bucket function takes as it is
-        eager = node is not None or too_wide or (bool(exact) and self.shapes.round_compiled)
+        eager = node is not None or too_wide or (exact is not None and self.shapes.round_compiled)
         graph = padded is not None and trees.padded is not None and not eager
         if graph:
             p, states, accept = trees.padded, padded, self.shapes.accept_graph
@@ -193,7 +193,7 @@ class Verifier:
             p = PaddedTrees(trees.tokens, trees.depths, trees.parents, trees.device_sizes())
             states, accept, depth = hidden, tree_verdicts, trees.depth
         law = self.law(rows, trees.sizes, p, graph)
-        with self.runner.exact_rows(exact, len(rows)).linear() if exact else contextlib.nullcontext():
+        with exact.linear() if exact is not None else contextlib.nullcontext():
             accepted = self.decide(accept, p, states, law, depth, trees.branching, node)  # the LM head
         return accepted.head(len(rows)) if graph else accepted
 

@@ -5,10 +5,10 @@ the method, or on where its tree put its columns (a seeded request: issue 44; ev
 In low precision two things make a row's logits depend on its company (measured on this CPU, bf16,
 oneDNN's AMX kernels, ``docs/benchmarks.md``):
 
-- A linear layer over more than ``ROW_CHUNK`` rows takes another kernel whose reduction order depends on
-  the call's row count (every K from 768 up; below, every row count from 1 to 32 gives a row the bits it
-  gets alone). ``InvariantLinear`` runs the exact rows' share of every linear in chunks of at most
-  ``ROW_CHUNK`` rows (vLLM's batch-invariant mode fixes its matmul tiles for the same reason).
+- A linear layer's kernel, and so its reduction order, changes with the call's row count, at sizes that
+  depend on the machine and the weight's shape (``probe``). ``InvariantLinear`` runs the exact rows' share
+  of every linear in calls whose sizes the probe measured to agree bit for bit (vLLM's batch-invariant
+  mode fixes its matmul tiles for the same reason).
 - Attention reduces over a row's columns in an order fixed by where they sit. Plain decoding's query sees a
   contiguous prefix (trailing masked columns change nothing, measured up to 2,048); a tree node's ancestors
   sit among masked siblings, so its sums group differently. ``PathLayout`` gives each exact row's node its
@@ -35,34 +35,85 @@ from torch.overrides import TorchFunctionMode
 
 from ddtree.model.attention import attend
 
-# Rows per linear call that keep a row's bits its own. CPU: measured (oneDNN bf16, K 256-4,096). CUDA: not
-# measured (no device run yet); one row per call is the shape whose kernel never depends on the batch.
-ROW_CHUNK = {"cpu": 32, "cuda": 1}
+# Call sizes the probe tries: every size to 40, then around each power of two to 256 (where kernels switch
+# tiles), 256 being the largest chunk an exact row's linear is split into.
+PROBE_SIZES = (*range(1, 41), 48, 63, 64, 65, 96, 127, 128, 129, 192, 255, 256)
+# Output features the probe computes: a head of 151,936 has the regime of its first 4,096 or 16,384
+# (measured, K 1,024-4,096: an output's reduction runs over K, the outputs only split among threads), at a
+# ninth of the probe's time (8.6 -> 1.0 s at K = 1,024).
+PROBE_OUTPUTS = 16384
 
 
-def row_chunk(device: torch.device) -> int:
-    return ROW_CHUNK.get(device.type, 1)
+@dataclass(frozen=True)
+class RowRegime:
+    """Linear calls of ``lo`` to ``hi`` rows give each row the same bits, whatever the rows beside it and its
+    place among them: an exact row's share runs in such calls (chunks of at most ``hi``, a shorter one
+    padded to ``lo`` with copies)."""
+
+    lo: int
+    hi: int
 
 
-def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunk: int):
-    """``F.linear`` of x [..., K] computed ``chunk`` rows at a time -> [..., N]."""
+REGIMES: dict[tuple, RowRegime] = {}  # (device type, dtype, weight shape, bias) -> its measured regime
+
+
+def regime(weight: torch.Tensor, bias: torch.Tensor | None) -> RowRegime:
+    """This kernel's regime for ``weight``'s shape, measured at its first exact call (``probe``)."""
+    key = (weight.device.type, weight.dtype, tuple(weight.shape), bias is not None)
+    if key not in REGIMES:
+        REGIMES[key] = probe(weight, bias)
+    return REGIMES[key]
+
+
+def probe(weight: torch.Tensor, bias: torch.Tensor | None) -> RowRegime:
+    """Measure the widest regime starting at 1 or 2 rows: for each call size in ``PROBE_SIZES``, its first
+    and last rows against the same rows alone (``lo`` copies). Kernels differ here: on one CPU (oneDNN,
+    AMX) every call of 1-32 rows agrees and larger calls do not; on another (AVX-512 bf16) a one-row call
+    differs from every larger call from K = 2,048 up, and calls of 2-512 rows all agree."""
+    weight, bias = weight[:PROBE_OUTPUTS], None if bias is None else bias[:PROBE_OUTPUTS]
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(PROBE_SIZES[-1], weight.shape[1], generator=gen, device=weight.device, dtype=weight.dtype)
+    best = RowRegime(1, 1)  # a row alone is its own reference
+    for lo in (1, 2):
+
+        def alone(i: int, lo: int = lo) -> torch.Tensor:
+            return F.linear(x[i : i + 1].repeat(lo, 1), weight, bias)[0]
+
+        hi = lo - 1
+        for m in (m for m in PROBE_SIZES if m >= lo):
+            out = F.linear(x[:m], weight, bias)
+            if not (torch.equal(out[0], alone(0)) and torch.equal(out[m - 1], alone(m - 1))):
+                break
+            hi = m
+        if hi >= lo and hi > best.hi:
+            best = RowRegime(lo, hi)
+    return best
+
+
+def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: RowRegime):
+    """``F.linear`` of x [..., K] -> [..., N] in calls of ``rows.lo`` to ``rows.hi`` rows."""
     flat = x.reshape(-1, x.shape[-1])  # [M, K]
-    if flat.shape[0] <= chunk:
-        return F.linear(x, weight, bias)
-    parts = [F.linear(flat[i : i + chunk], weight, bias) for i in range(0, flat.shape[0], chunk)]
+    parts = []
+    for i in range(0, flat.shape[0], rows.hi):
+        part = flat[i : i + rows.hi]
+        short = rows.lo - part.shape[0]
+        if short > 0:  # padded with copies of its last row, sliced off again
+            part = torch.cat([part, part[-1:].repeat(short, 1)])
+        parts.append(F.linear(part, weight, bias)[: part.shape[0] - max(short, 0)])
     return torch.cat(parts).view(*x.shape[:-1], weight.shape[0])
 
 
 class InvariantLinear(TorchFunctionMode):
     """Every ``F.linear`` inside gives the exact rows the bits they would get alone.
 
-    An input whose leading dimension is the batch ([B, T, K]) runs as usual, then the ``rows``' share is
-    recomputed in chunks and written over it (the other rows keep the one fast call); any other input (the
-    LM head over flattened nodes, an MoE expert's routed tokens) runs wholly in chunks."""
+    A call whose size is inside the weight's regime runs as it is. Otherwise an input whose leading
+    dimension is the batch ([B, T, K]) runs as usual, then the ``rows``' share is recomputed in the regime's
+    calls and written over it (the other rows keep the one fast call); any other input (the LM head over
+    flattened nodes, an MoE expert's routed tokens) runs wholly in such calls."""
 
-    def __init__(self, rows: torch.Tensor, batch: int, chunk: int) -> None:
+    def __init__(self, rows: torch.Tensor, batch: int) -> None:
         super().__init__()
-        self.rows, self.batch, self.chunk = rows, batch, chunk  # rows: [E] indices into the batch
+        self.rows, self.batch = rows, batch  # rows: [E] indices into the batch
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -70,12 +121,13 @@ class InvariantLinear(TorchFunctionMode):
             return func(*args, **kwargs)
         x, weight = args[0], args[1]
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
-        if x.numel() <= self.chunk * x.shape[-1]:
+        rows = regime(weight, bias)
+        if rows.lo <= x.numel() // x.shape[-1] <= rows.hi and x.is_contiguous():
             return F.linear(x, weight, bias)
         if x.dim() < 3 or x.shape[0] != self.batch:
-            return chunked_linear(x, weight, bias, self.chunk)
+            return chunked_linear(x, weight, bias, rows)
         out = F.linear(x, weight, bias)  # [B, T, N]
-        out[self.rows] = chunked_linear(x[self.rows], weight, bias, self.chunk)
+        out[self.rows] = chunked_linear(x[self.rows], weight, bias, rows)
         return out
 
 
@@ -133,7 +185,7 @@ class ExactRows:
     layout: PathLayout | None = None
 
     def linear(self) -> InvariantLinear:
-        return InvariantLinear(self.rows, self.batch, row_chunk(self.rows.device))
+        return InvariantLinear(self.rows, self.batch)
 
     def attend(
         self,

@@ -14,8 +14,7 @@ import torch.nn.functional as F
 
 from ddtree import Engine, SamplingParams
 from ddtree.model import invariance
-from ddtree.model.attention import attend
-from ddtree.model.invariance import ExactRows, InvariantLinear, PathLayout, RowRegime, probe
+from ddtree.model.invariance import ExactRows, InvariantLinear, RowRegime, prefill_groups, probe, tree_groups
 from ddtree.model.precision import fast_low_precision
 
 BF16 = torch.bfloat16
@@ -68,54 +67,80 @@ def paths_from_parents(parents: list[int]) -> list[list[int]]:
     return paths
 
 
-def test_each_tree_node_attends_as_plain_decoding_would_over_its_path():
-    """Two rows with their trees in one verify batch: the exact row's nodes' attention equals, bit for bit,
-    a single-query SDPA over [its committed columns, its ancestors in order] (plain decoding's keys)."""
-    torch.manual_seed(1)
-    heads, kv, d, n, span = 8, 2, 64, 9, 96
-    parents = [[-1, 0, 0, 1, 1, 2, 3, 3, 6], [-1, 0, 1, 2, 0, 4, 4, 1, 7]]  # two best-first trees
-    starts = torch.tensor([40, 70])
-    anc = torch.zeros(2, n, n, dtype=torch.bool)
-    for b, ps in enumerate(parents):
-        for j, path in enumerate(paths_from_parents(ps)):
-            anc[b, j, path] = True
-    q = torch.randn(2, heads, n, d, dtype=BF16)
-    keys = torch.randn(2, kv, span, d, dtype=BF16)
-    values = torch.randn(2, kv, span, d, dtype=BF16)
-    rel = torch.arange(span)[None] - starts[:, None]
-    block = anc.gather(2, rel.clamp(0, n - 1)[:, None].expand(2, n, span))
-    mask = ((rel < 0)[:, None] | (block & ((rel >= 0) & (rel < n))[:, None]))[:, None]  # [2, 1, N, span]
-    shared = attend(q, keys, values, mask)
-    rows = torch.tensor([1])
-    exact = ExactRows(rows, (1,), 2, PathLayout.of(rows, starts, anc, span))
-    out = exact.attend(shared.clone(), q, keys, values, mask, None)
-    assert torch.equal(out[0], shared[0])  # the other row keeps the one shared call
-    start = int(starts[1])
-    for j, path in enumerate(paths_from_parents(parents[1])):
+HEADS, KV, D = 8, 2, 64
+
+
+def batch_of(row: torch.Tensor, span: int, at: int) -> torch.Tensor:
+    """A batch of 3 rows [3, heads, S, D] with ``row`` [heads, S', D] at index ``at``, the others random,
+    the span ``span``: other company, another span."""
+    out = torch.randn(3, row.shape[0], span, row.shape[2], dtype=BF16)
+    out[at, :, : row.shape[1]] = row
+    return out
+
+
+def tree_outputs(parents: list[int], keys, values, q, start: int, span: int) -> torch.Tensor:
+    """The tree's nodes' exact attention [heads, N, D] in a verify batch (row 2 of 3, span ``span``)."""
+    n = len(parents)
+    anc = torch.zeros(3, n, n, dtype=torch.bool)
+    for j, path in enumerate(paths_from_parents(parents)):
+        anc[2, j, path] = True
+    anc[:2] = torch.eye(n, dtype=torch.bool)  # the other rows: any trees
+    k, v, qs = batch_of(keys, span, 2), batch_of(values, span, 2), batch_of(q, n, 2)
+    exact = ExactRows(torch.tensor([2]), (2,), 3, tree_groups((2,), (start,), anc))
+    return exact.attend(torch.zeros(3, HEADS, n, D, dtype=BF16), qs, k, v, None)[2]
+
+
+def prefill_outputs(keys, values, q, offset: int, span: int) -> torch.Tensor:
+    """A prefill chunk's exact attention [heads, T, D] (T = q's positions after ``offset`` cached
+    columns), row 0 of a batch of 3 over ``span`` columns."""
+    t = q.shape[1]
+    k, v, qs = batch_of(keys, span, 0), batch_of(values, span, 0), batch_of(q, t, 0)
+    exact = ExactRows(torch.tensor([0]), (0,), 3, prefill_groups((0,), [offset], [t], torch.device("cpu")))
+    return exact.attend(torch.zeros(3, HEADS, t, D, dtype=BF16), qs, k, v, None)[0]
+
+
+@pytest.mark.parametrize("start", [5, 40, 130])
+def test_a_tree_node_attends_as_plain_decoding_at_its_position_in_any_batch_and_span(start):
+    """Each node of a best-first tree (row 2 of a verify batch) gets, bit for bit, the attention that its
+    sequence (the committed columns, then its root-to-node path) gives the last position of a prefill
+    chunk of that path, a one-token decode step at its position, and the tree alone in another span:
+    what a query attends does not depend on the method, the rows beside it or the columns they need."""
+    torch.manual_seed(start)
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 6, 8, 9, 10, 11, 12, 13, 14, 15]  # a 17-node tree, depth 12
+    n = len(parents)
+    keys, values = (torch.randn(KV, start + n, D, dtype=BF16) for _ in range(2))
+    q = torch.randn(HEADS, n, D, dtype=BF16)
+    tree = tree_outputs(parents, keys, values, q, start, span=start + n + 40)
+    assert torch.equal(tree, tree_outputs(parents, keys, values, q, start, span=start + n))
+    for j, path in enumerate(paths_from_parents(parents)):
         cols = list(range(start)) + [start + i for i in path]
-        cols += [span - 1] * (span - len(cols))  # trailing columns, masked as plain decoding's are
-        seen = (torch.arange(span) < start + len(path))[None, None, None]  # [1, 1, 1, span]
-        oracle = attend(q[1:, :, j : j + 1], keys[1:, :, cols], values[1:, :, cols], seen)
-        assert torch.equal(out[1:, :, j : j + 1], oracle), f"node {j}"
+        seq_k, seq_v = keys[:, cols], values[:, cols]  # plain decoding's cache for node j
+        chunk = torch.randn(HEADS, len(path), D, dtype=BF16)
+        chunk[:, -1] = q[:, j]
+        prefill = prefill_outputs(seq_k, seq_v, chunk, start, span=len(cols) + 7)
+        assert torch.equal(prefill[:, -1], tree[:, j]), f"node {j}: prefill"
+        step = tree_outputs([-1], seq_k, seq_v, q[:, j : j + 1], len(cols) - 1, span=len(cols) + 100)
+        assert torch.equal(step[:, 0], tree[:, j]), f"node {j}: decode step"
 
 
-def test_each_prefill_position_attends_as_its_own_query():
-    """A causal prefill chunk of 50 positions after 30 cached columns: each exact position's attention equals
-    the single-query call plain decoding makes at that position."""
+def test_a_prefill_positions_attention_is_the_same_in_any_chunking():
+    """70 positions after 30 cached columns, prefilled as one chunk or as chunks of 1, 7 and the rest (a
+    preempted row's recompute, another chunk budget): every position's attention is the same bits."""
     torch.manual_seed(2)
-    heads, kv, d, t, cached, span = 8, 2, 64, 50, 30, 96
-    q = torch.randn(2, heads, t, d, dtype=BF16)
-    keys = torch.randn(2, kv, span, d, dtype=BF16)
-    values = torch.randn(2, kv, span, d, dtype=BF16)
-    positions = cached + torch.arange(t)
-    mask = (torch.arange(span)[None] <= positions[:, None])[None, None].expand(2, 1, t, span)
-    shared = attend(q, keys, values, mask)
-    out = ExactRows(torch.tensor([0]), (0,), 2).attend(shared.clone(), q, keys, values, mask, None)
-    for i, p in enumerate(positions.tolist()):
-        seen = (torch.arange(span) <= p)[None, None, None]  # [1, 1, 1, span]: plain decoding's query
-        oracle = attend(q[:1, :, i : i + 1], keys[:1], values[:1], seen)
-        assert torch.equal(out[:1, :, i : i + 1], oracle), f"position {p}"
-    assert torch.equal(out[1], shared[1])
+    keys, values = (torch.randn(KV, 100, D, dtype=BF16) for _ in range(2))
+    q = torch.randn(HEADS, 70, D, dtype=BF16)
+    whole = prefill_outputs(keys, values, q, 30, span=112)
+    lo = 0
+    for size in (1, 7, 62):
+        part = prefill_outputs(
+            keys[:, : 30 + lo + size],
+            values[:, : 30 + lo + size],
+            q[:, lo : lo + size],
+            30 + lo,
+            span=30 + lo + size + 16 * size,
+        )
+        assert torch.equal(part, whole[:, lo : lo + size]), f"chunk at {lo}"
+        lo += size
 
 
 @pytest.mark.skipif(fast_low_precision(torch.device("cpu")) != BF16, reason="needs native bf16 matmuls")

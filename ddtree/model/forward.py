@@ -203,7 +203,7 @@ class TargetForward:
         keys, values = write.write(i, k, v)  # [B, kv_heads, span, D]
         out = attend(q, keys, values, mask, self.scaling)  # [B, heads, T, D]
         if exact is not None:
-            out = exact.attend(out, q, keys, values, mask, self.scaling)
+            out = exact.attend(out, q, keys, values, self.scaling)
         return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def latent_attention(
@@ -249,5 +249,5 @@ class TargetForward:
             q = torch.cat((q_nope, q_rot), dim=-1)  # [B, heads, T, nope + rope]
             out = attend(q, keys, values, mask, self.scaling)  # [B, heads, T, v]
             if exact is not None:  # a prefill's exact rows; the absorbed verify form has no path layout yet
-                out = exact.attend(out, q, keys, values, mask, self.scaling)
+                out = exact.attend(out, q, keys, values, self.scaling)
         return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))

@@ -1,33 +1,30 @@
 """Batch-invariant computation for exact rows: a row whose result must not depend on the rows beside it, on
-the method, or on where its tree put its columns (a seeded request: issue 44; every row with
-``deterministic``).
+the method, or on where its tree put its columns (a seeded request in bf16: issue 44).
 
-In low precision two things make a row's logits depend on its company (measured on this CPU, bf16,
-oneDNN's AMX kernels, ``docs/benchmarks.md``):
+In low precision three things make a row's logits depend on its company (measured in bf16 on two CPUs,
+oneDNN's AMX kernels and AVX-512 bf16 ones, ``docs/benchmarks.md``):
 
 - A linear layer's kernel, and so its reduction order, changes with the call's row count, at sizes that
   depend on the machine and the weight's shape (``probe``). ``InvariantLinear`` runs the exact rows' share
   of every linear in calls whose sizes the probe measured to agree bit for bit (vLLM's batch-invariant
   mode fixes its matmul tiles for the same reason).
-- Attention reduces over a row's columns in an order fixed by where they sit. Plain decoding's query sees a
-  contiguous prefix (trailing masked columns change nothing, measured up to 2,048); a tree node's ancestors
-  sit among masked siblings, so its sums group differently. ``PathLayout`` gives each exact row's node its
-  own copy of the columns it sees, in plain decoding's order: the committed columns, then its root-to-node
-  path, then masked columns.
-- A query's attention also depends on the other queries of its call (the CPU's fused kernel: 1 to 21 of
-  8-200 queries of a causal block differ from the same query alone, contexts 64-600). Plain decoding asks
-  one query per row, so every exact query attends as a call's only query: a tree node over its path, and
-  each position of a prefill chunk (a preempted row's recompute, a chunk split elsewhere, a prefix-cache
-  hit's suffix) over the row's columns, batched with its keys expanded, not copied.
+- Attention's bits depend on where a query's columns sit (a tree node's ancestors among masked siblings
+  group their sums differently), on how many columns the call reads, masked ones included (the batch's
+  span), and on the other queries of the call (1 to 21 of 8-200 queries of a causal block differ from the
+  same query alone). So every exact query attends as plain decoding's does: the only query of its call,
+  its visible columns in order (the committed ones, then for a tree node its root-to-node path), padded
+  with masked columns to a width of its own (``QUERY_COLS``), never the batch's. Queries of one width go
+  as one batched call (``QueryGroup``): a prefill's positions over views of their row's keys, tree nodes
+  over gathered copies.
 
 With both, seeded ``ddtree`` / ``dflash`` emit seeded ``ar``'s tokens in bf16, alone and in any batch. The
-price is paid only in forwards with an exact row: a second, chunked pass of the exact rows' linears and a
-gather of ``nodes`` x ``span`` columns per exact row and layer.
+price is paid only in forwards with an exact row: a second pass of the exact rows' linears where a call is
+outside the probed sizes, and per layer one attention call per width, a tree row's nodes' columns copied.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -131,88 +128,117 @@ class InvariantLinear(TorchFunctionMode):
         return out
 
 
+# An exact query attends over its visible columns rounded up to a multiple of this (the rest masked): the
+# one key length plain decoding and every other method use for it. On this CPU the fused kernel's bits
+# depend on the key length even where the extra columns are masked (every padding of 32 or more columns
+# measured), so the length is the query's own, never the batch's span.
+QUERY_COLS = 16
+
+
+def query_width(visible: int) -> int:
+    return -(-visible // QUERY_COLS) * QUERY_COLS
+
+
 @dataclass
-class PathLayout:
-    """Each exact row's nodes laid out as plain decoding lays out its query's columns (built once per verify
-    forward, shared by the layers)."""
+class QueryGroup:
+    """Exact queries that read the same number of columns: one attention call, a query each."""
 
-    rows: torch.Tensor  # [E] the exact rows
-    index: torch.Tensor  # [E, N, span] the column each node reads at each of its positions
-    mask: torch.Tensor  # [E * N, 1, 1, span] True = attend: its committed columns and its path
+    width: int
+    rows: torch.Tensor  # [G] each query's batch row
+    queries: torch.Tensor  # [G] its index among the forward's queries
+    seen: torch.Tensor  # [G, 1, 1, width] True = attend: its visible columns
+    cols: torch.Tensor | None = None  # [G, width] the columns it reads in order (None: its row's first width)
+    row: int = -1  # with cols None, the one row of the group
+    take: torch.Tensor | None = None  # [G] the query's width is this group's (a tree node: device-known)
 
-    @classmethod
-    def of(cls, rows: torch.Tensor, starts: torch.Tensor, anc: torch.Tensor, span: int) -> PathLayout:
-        """From the verify forward's committed lengths [B] and tree block [B, N, N] (a parent's node index is
-        below its children's, so a node's ancestors in column order are its root-to-node path)."""
-        a, start = anc[rows], starts[rows]  # [E, N, N], [E]
-        e, n, _ = a.shape
-        nodes = torch.arange(n, device=a.device)
-        path = torch.where(a, nodes, nodes + n).argsort(dim=-1)  # [E, N, N]: its ancestors first, in order
-        cols = torch.arange(span, device=a.device)
-        rel = cols[None] - start[:, None]  # [E, span] column - start
-        at = path.gather(2, rel.clamp(0, n - 1)[:, None].expand(e, n, span))  # [E, N, span]
-        index = torch.where(rel[:, None] < 0, cols, (start[:, None, None] + at).clamp(max=span - 1))
-        seen = rel[:, None] < a.sum(-1, keepdim=True)  # [E, N, span]: committed, then the path's length
-        return cls(rows, index, seen.reshape(e * n, 1, 1, span))
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """The exact rows' keys or values [B, kv_heads, span, D] as each node reads them:
-        [E * N, kv_heads, span, D]."""
-        e, n, span = self.index.shape
-        x = x[self.rows].transpose(1, 2)  # [E, span, kv_heads, D]
-        per_node = x[torch.arange(e, device=x.device)[:, None, None], self.index]  # [E, N, span, kv, D]
-        return per_node.reshape(e * n, span, *x.shape[2:]).transpose(1, 2)
+def tree_groups(exact: tuple[int, ...], starts: tuple[int, ...], anc: torch.Tensor) -> list[QueryGroup]:
+    """A verify forward's exact rows (batch indices ``exact``, their committed lengths ``starts``; tree block
+    anc [B, N, N]): node j reads its committed columns, then its root-to-node path, in order (a parent's
+    node index is below its children's, so its ancestors in index order are its path). Its depth is on the
+    device, so each row is computed at every width its nodes may have, each node keeping its own."""
+    n, device = anc.shape[1], anc.device
+    nodes = torch.arange(n, device=device)
+    by_width: dict[int, list[tuple]] = {}
+    for row, start in zip(exact, starts, strict=True):
+        a = anc[row]  # [N, N]
+        path = torch.where(a, nodes, nodes + n).argsort(dim=-1)  # [N, N]: its ancestors first, in order
+        visible = start + a.sum(-1)  # [N]
+        for width in sorted({query_width(start + k) for k in range(1, n + 1)}):
+            c = torch.arange(width, device=device)
+            rel = (c - start).clamp(0, n - 1)  # [W]
+            at = start + path.gather(1, rel.expand(n, width))  # [N, W]
+            cols = torch.where(c < start, c, torch.where(c < visible[:, None], at, 0))  # masked: column 0
+            take = (visible + QUERY_COLS - 1) // QUERY_COLS * QUERY_COLS == width
+            by_width.setdefault(width, []).append((row, cols, c < visible[:, None], take))
+    groups = []
+    for width, parts in by_width.items():
+        rows = torch.cat([torch.full((n,), row, device=device) for row, *_ in parts])
+        cols, seen, take = (torch.cat([part[i] for part in parts]) for i in (1, 2, 3))
+        queries = nodes.repeat(len(parts))
+        groups.append(QueryGroup(width, rows, queries, seen[:, None, None], cols, take=take))
+    return groups
 
-    def queries(self, q: torch.Tensor) -> torch.Tensor:
-        """The exact rows' queries [B, heads, N, D] as one query per node: [E * N, heads, 1, D]."""
-        q = q[self.rows].transpose(1, 2)  # [E, N, heads, D]
-        return q.reshape(-1, q.shape[2], 1, q.shape[3])
 
-    def scatter(self, out: torch.Tensor, per_node: torch.Tensor) -> torch.Tensor:
-        """Write the nodes' outputs [E * N, heads, 1, D] over the exact rows of ``out`` [B, heads, N, D]."""
-        e, n, _ = self.index.shape
-        out[self.rows] = per_node.view(e, n, per_node.shape[1], -1).transpose(1, 2)
-        return out
+def prefill_groups(
+    exact: tuple[int, ...], offsets: list[int], lengths: list[int], device
+) -> list[QueryGroup]:
+    """A prefill's exact rows (a chunk of ``lengths[e]`` tokens after ``offsets[e]`` cached columns): the
+    query at position p reads columns 0..p; positions of a row that share a width go as one call."""
+    groups = []
+    for row, offset, length in zip(exact, offsets, lengths, strict=True):
+        visible = offset + 1 + torch.arange(length, device=device)  # [L]
+        widths = [query_width(offset + 1 + i) for i in range(length)]
+        lo = 0
+        while lo < length:
+            width = widths[lo]
+            hi = lo + widths[lo:].count(width)  # widths grow with i: a run
+            queries = torch.arange(lo, hi, device=device)
+            seen = torch.arange(width, device=device) < visible[lo:hi, None]  # [G, W]
+            groups.append(
+                QueryGroup(width, torch.full_like(queries, row), queries, seen[:, None, None], row=row)
+            )
+            lo = hi
+    return groups
 
 
 @dataclass
 class ExactRows:
-    """A forward's exact rows: the linear mode over them and, for a tree verify forward, their layout."""
+    """A forward's exact rows: the linear mode over them and the attention calls of their queries."""
 
     rows: torch.Tensor  # [E]
     indices: tuple[int, ...]  # the same rows, on the host
     batch: int
-    layout: PathLayout | None = None
+    groups: list[QueryGroup] = field(default_factory=list)
 
     def linear(self) -> InvariantLinear:
         return InvariantLinear(self.rows, self.batch)
 
     def attend(
         self,
-        out: torch.Tensor,  # [B, heads, T, Dv]: the batch's attention, the exact rows' part overwritten
+        out: torch.Tensor,  # [B, heads, T, Dv]: the batch's attention, the exact queries' part overwritten
         q: torch.Tensor,  # [B, heads, T, D]
         keys: torch.Tensor,  # [B, kv_heads, span, D]
         values: torch.Tensor,  # [B, kv_heads, span, Dv]
-        mask: torch.Tensor,  # [B, 1, T, span]
         scale: float,
     ) -> torch.Tensor:
-        """The exact rows' attention again, as plain decoding computes it: one query per call, a tree's node
-        over its own path, a prefill's position over the row's columns."""
-        if self.layout is not None:
-            paths = self.layout
-            per_node = attend(paths.queries(q), paths.gather(keys), paths.gather(values), paths.mask, scale)
-            return paths.scatter(out, per_node)  # per_node: [E * N, heads, 1, Dv]
-        t = q.shape[2]
-        if t == 1:
-            return out
-        for r in self.indices:
-            shape = (t, *keys.shape[1:])
-            one = attend(
-                q[r].transpose(0, 1)[:, :, None],  # [T, heads, 1, D]
-                keys[r : r + 1].expand(shape),  # [T, kv_heads, span, D]: a view
-                values[r : r + 1].expand(t, *values.shape[1:]),
-                mask[r, 0][:, None, None],  # [T, 1, 1, span]
-                scale,
-            )  # [T, heads, 1, Dv]
-            out[r] = one[:, :, 0].transpose(0, 1)
+        """The exact queries' attention again, as plain decoding computes it: each the only query of its
+        call, over its visible columns in order, at its own width (``QUERY_COLS``)."""
+        for g in self.groups:
+            size = len(g.queries)
+            if g.cols is None:  # one row's positions over its first columns: views, not copies
+                k, v = (fit(x[g.row : g.row + 1], g.width).expand(size, -1, -1, -1) for x in (keys, values))
+            else:  # [G, kv_heads, W, D]: each node's columns gathered
+                k, v = (x.transpose(1, 2)[g.rows[:, None], g.cols].transpose(1, 2) for x in (keys, values))
+            res = attend(q[g.rows, :, g.queries][:, :, None], k, v, g.seen, scale)[:, :, 0]  # [G, heads, Dv]
+            if g.take is not None:
+                res = torch.where(g.take[:, None, None], res, out[g.rows, :, g.queries])
+            out[g.rows, :, g.queries] = res
         return out
+
+
+def fit(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [1, kv_heads, span, D] as its first ``width`` columns (zeros past the span: masked)."""
+    if width <= x.shape[2]:
+        return x[:, :, :width]
+    return F.pad(x, (0, 0, 0, width - x.shape[2]))

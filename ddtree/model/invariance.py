@@ -135,7 +135,8 @@ class InvariantLinear(TorchFunctionMode):
 QUERY_COLS = 16
 
 
-def query_width(visible: int) -> int:
+def query_width(visible: int | torch.Tensor) -> int | torch.Tensor:
+    """Columns a query with ``visible`` columns reads (a host int, or a tensor of them on the device)."""
     return -(-visible // QUERY_COLS) * QUERY_COLS
 
 
@@ -169,7 +170,7 @@ def tree_groups(exact: tuple[int, ...], starts: tuple[int, ...], anc: torch.Tens
             rel = (c - start).clamp(0, n - 1)  # [W]
             at = start + path.gather(1, rel.expand(n, width))  # [N, W]
             cols = torch.where(c < start, c, torch.where(c < visible[:, None], at, 0))  # masked: column 0
-            take = (visible + QUERY_COLS - 1) // QUERY_COLS * QUERY_COLS == width
+            take = query_width(visible) == width  # [N]
             by_width.setdefault(width, []).append((row, cols, c < visible[:, None], take))
     groups = []
     for width, parts in by_width.items():

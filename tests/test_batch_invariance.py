@@ -2,9 +2,8 @@
 done alone (``ddtree.model.invariance``; end to end through the engine: ``test_seeded_equality.py``).
 
 The oracles here import nothing from the code under test: a row alone is one ``F.linear`` call over that
-row; a tree node's attention is plain decoding's call (``attention.attend``, the primitive both use), one
-query whose keys are its committed columns and its ancestors (walked from the parents list) in order, then
-masked columns up to the span."""
+row; a tree node's attention is its query alone over its committed columns and its ancestors (walked from
+the parents list) in order, computed head by head in float64 and rounded to bf16."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import torch.nn.functional as F
 
 from ddtree import Engine, SamplingParams
 from ddtree.model import invariance
-from ddtree.model.invariance import ExactRows, InvariantLinear, RowRegime, prefill_groups, probe, tree_groups
+from ddtree.model.invariance import ExactRows, InvariantLinear, RowRegime, probe
 from ddtree.model.precision import fast_low_precision
 
 BF16 = torch.bfloat16
@@ -70,6 +69,18 @@ def paths_from_parents(parents: list[int]) -> list[list[int]]:
 HEADS, KV, D = 8, 2, 64
 
 
+def alone(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The oracle: one query [heads, D] over exactly its visible keys/values [kv, S, D] in order, one head
+    at a time, in float64 (products of bf16 values are exact there), rounded to bf16 at the end."""
+    group = HEADS // KV
+    out = []
+    for h in range(HEADS):
+        k, v = keys[h // group].double(), values[h // group].double()  # [S, D]
+        w = torch.softmax((k @ q[h].double()) * D**-0.5, dim=0)  # [S]
+        out.append((w[:, None] * v).sum(0))
+    return torch.stack(out).to(BF16)  # [heads, D]
+
+
 def batch_of(row: torch.Tensor, span: int, at: int) -> torch.Tensor:
     """A batch of 3 rows [3, heads, S, D] with ``row`` [heads, S', D] at index ``at``, the others random,
     the span ``span``: other company, another span."""
@@ -79,56 +90,61 @@ def batch_of(row: torch.Tensor, span: int, at: int) -> torch.Tensor:
 
 
 def tree_outputs(parents: list[int], keys, values, q, start: int, span: int) -> torch.Tensor:
-    """The tree's nodes' exact attention [heads, N, D] in a verify batch (row 2 of 3, span ``span``)."""
+    """The tree's nodes' exact attention [heads, N, D] in a verify batch (row 2 of 3, span ``span``): the
+    tree's columns after the committed ``start``, each node seeing those and its ancestors (``tree_mask``'s
+    layout), masked columns up to the span."""
     n = len(parents)
-    anc = torch.zeros(3, n, n, dtype=torch.bool)
+    mask = torch.rand(3, 1, n, span) < 0.5  # the other rows: anything
+    mask[2] = False
+    mask[2, 0, :, :start] = True
     for j, path in enumerate(paths_from_parents(parents)):
-        anc[2, j, path] = True
-    anc[:2] = torch.eye(n, dtype=torch.bool)  # the other rows: any trees
+        mask[2, 0, j, [start + i for i in path]] = True
     k, v, qs = batch_of(keys, span, 2), batch_of(values, span, 2), batch_of(q, n, 2)
-    exact = ExactRows(torch.tensor([2]), (2,), 3, tree_groups((2,), (start,), anc))
-    return exact.attend(torch.zeros(3, HEADS, n, D, dtype=BF16), qs, k, v, None)[2]
+    exact = ExactRows(torch.tensor([2]), (2,), 3)
+    return exact.attend(torch.zeros(3, HEADS, n, D, dtype=BF16), qs, k, v, mask, D**-0.5)[2]
 
 
 def prefill_outputs(keys, values, q, offset: int, span: int) -> torch.Tensor:
     """A prefill chunk's exact attention [heads, T, D] (T = q's positions after ``offset`` cached
-    columns), row 0 of a batch of 3 over ``span`` columns."""
+    columns, causal), row 0 of a batch of 3 over ``span`` columns."""
     t = q.shape[1]
     k, v, qs = batch_of(keys, span, 0), batch_of(values, span, 0), batch_of(q, t, 0)
-    exact = ExactRows(torch.tensor([0]), (0,), 3, prefill_groups((0,), [offset], [t], torch.device("cpu")))
-    return exact.attend(torch.zeros(3, HEADS, t, D, dtype=BF16), qs, k, v, None)[0]
+    cols = torch.arange(span)
+    mask = (cols <= offset + torch.arange(t)[:, None]).expand(3, 1, t, span)
+    exact = ExactRows(torch.tensor([0]), (0,), 3)
+    return exact.attend(torch.zeros(3, HEADS, t, D, dtype=BF16), qs, k, v, mask, D**-0.5)[0]
 
 
 @pytest.mark.parametrize("start", [5, 40, 130])
-def test_a_tree_node_attends_as_plain_decoding_at_its_position_in_any_batch_and_span(start):
-    """Each node of a best-first tree (row 2 of a verify batch) gets, bit for bit, the attention that its
-    sequence (the committed columns, then its root-to-node path) gives the last position of a prefill
-    chunk of that path, a one-token decode step at its position, and the tree alone in another span:
-    what a query attends does not depend on the method, the rows beside it or the columns they need."""
+def test_a_tree_node_attends_as_its_query_alone_in_any_batch_and_span(start):
+    """Each node of a best-first tree (row 2 of a verify batch, its ancestors among masked siblings) gets,
+    bit for bit, the attention of its query alone over its sequence (the committed columns, then its
+    root-to-node path), and so does the last position of a prefill chunk of that path: what a query
+    attends does not depend on the method, the rows beside it or the columns they need."""
     torch.manual_seed(start)
     parents = [-1, 0, 0, 1, 1, 2, 3, 3, 6, 8, 9, 10, 11, 12, 13, 14, 15]  # a 17-node tree, depth 12
     n = len(parents)
-    keys, values = (torch.randn(KV, start + n, D, dtype=BF16) for _ in range(2))
-    q = torch.randn(HEADS, n, D, dtype=BF16)
+    keys, values = (torch.randn(KV, start + n, D, dtype=BF16) * 4 for _ in range(2))
+    q = torch.randn(HEADS, n, D, dtype=BF16) * 4
     tree = tree_outputs(parents, keys, values, q, start, span=start + n + 40)
     assert torch.equal(tree, tree_outputs(parents, keys, values, q, start, span=start + n))
     for j, path in enumerate(paths_from_parents(parents)):
         cols = list(range(start)) + [start + i for i in path]
         seq_k, seq_v = keys[:, cols], values[:, cols]  # plain decoding's cache for node j
+        assert torch.equal(tree[:, j], alone(q[:, j], seq_k, seq_v)), f"node {j}"
         chunk = torch.randn(HEADS, len(path), D, dtype=BF16)
         chunk[:, -1] = q[:, j]
         prefill = prefill_outputs(seq_k, seq_v, chunk, start, span=len(cols) + 7)
         assert torch.equal(prefill[:, -1], tree[:, j]), f"node {j}: prefill"
-        step = tree_outputs([-1], seq_k, seq_v, q[:, j : j + 1], len(cols) - 1, span=len(cols) + 100)
-        assert torch.equal(step[:, 0], tree[:, j]), f"node {j}: decode step"
 
 
-def test_a_prefill_positions_attention_is_the_same_in_any_chunking():
-    """70 positions after 30 cached columns, prefilled as one chunk or as chunks of 1, 7 and the rest (a
-    preempted row's recompute, another chunk budget): every position's attention is the same bits."""
+def test_a_prefill_positions_attention_is_the_same_in_any_chunking(monkeypatch):
+    """70 positions after 30 cached columns, prefilled as one chunk, as chunks of 1, 7 and the rest (a
+    preempted row's recompute, another chunk budget), and with the score bound forcing inner chunks of 3
+    queries: every position's attention is the same bits."""
     torch.manual_seed(2)
-    keys, values = (torch.randn(KV, 100, D, dtype=BF16) for _ in range(2))
-    q = torch.randn(HEADS, 70, D, dtype=BF16)
+    keys, values = (torch.randn(KV, 100, D, dtype=BF16) * 4 for _ in range(2))
+    q = torch.randn(HEADS, 70, D, dtype=BF16) * 4
     whole = prefill_outputs(keys, values, q, 30, span=112)
     lo = 0
     for size in (1, 7, 62):
@@ -141,6 +157,29 @@ def test_a_prefill_positions_attention_is_the_same_in_any_chunking():
         )
         assert torch.equal(part, whole[:, lo : lo + size]), f"chunk at {lo}"
         lo += size
+    monkeypatch.setattr(invariance, "EXACT_SCORES", 3 * HEADS * 112)
+    assert torch.equal(prefill_outputs(keys, values, q, 30, span=112), whole)
+
+
+def test_an_sdpa_call_over_the_tree_layout_is_not_its_query_alone():
+    """The mutation the tree test must catch: bf16 SDPA over the batch's layout (the fast path) gives some
+    node other bits than its query alone, so the float64 path is what the equality above rests on."""
+    torch.manual_seed(5)
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 6, 8, 9, 10, 11, 12, 13, 14, 15]
+    start, n = 40, 17
+    keys, values = (torch.randn(KV, start + n, D, dtype=BF16) * 4 for _ in range(2))
+    q = torch.randn(HEADS, n, D, dtype=BF16) * 4
+    mask = torch.zeros(1, 1, n, start + n + 40, dtype=torch.bool)
+    mask[..., :start] = True
+    for j, path in enumerate(paths_from_parents(parents)):
+        mask[0, 0, j, [start + i for i in path]] = True
+    k, v = (F.pad(x, (0, 0, 0, 40))[None] for x in (keys, values))
+    fast = F.scaled_dot_product_attention(q[None], k, v, attn_mask=mask, enable_gqa=True)[0]
+    differ = 0
+    for j, path in enumerate(paths_from_parents(parents)):
+        cols = list(range(start)) + [start + i for i in path]
+        differ += not torch.equal(fast[:, j], alone(q[:, j], keys[:, cols], values[:, cols]))
+    assert differ > 0
 
 
 @pytest.mark.skipif(fast_low_precision(torch.device("cpu")) != BF16, reason="needs native bf16 matmuls")
@@ -161,5 +200,6 @@ def test_without_the_invariant_path_seeded_speculation_leaves_plain_decoding(mon
 
     assert equal_to_ar() == 3
     monkeypatch.setattr(invariance, "regime", lambda weight, bias: RowRegime(1, 1 << 30))  # one call
+    monkeypatch.setattr(ExactRows, "whole", False)  # the batch's call runs, and is kept
     monkeypatch.setattr(ExactRows, "attend", lambda self, out, *args: out)
     assert equal_to_ar() < 3

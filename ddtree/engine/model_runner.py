@@ -25,7 +25,7 @@ from ddtree.engine.round_shapes import RoundShapes
 from ddtree.engine.step_channel import StepChannel, close_channel, replicated
 from ddtree.model.capture import compile_forward, mark_static, tree_mask, upload
 from ddtree.model.forward import Float32Linear, TargetForward
-from ddtree.model.invariance import ExactRows, prefill_groups, tree_groups
+from ddtree.model.invariance import ExactRows
 from ddtree.model.kv_cache import KVLayout, PagedKVCache, pack_buffers
 from ddtree.model.precision import FLOAT32_PREFILL_TOKENS, draft_parts, emulated_half, head_floor_rows
 from ddtree.speculative.dflash2 import DFlash2Drafter
@@ -152,9 +152,6 @@ class ModelRunner:
         feature_layers = self.drafter.target_layer_ids if features and self.drafter is not None else None
         upcast = emulated_half(device, self.dtype) and ids.size >= FLOAT32_PREFILL_TOKENS
         rows = self.exact_rows(exact, b)
-        if rows is not None:
-            picked = list(exact)
-            rows.groups = prefill_groups(exact, offsets[picked, 0].tolist(), lengths[picked].tolist(), device)
         with Float32Linear() if upcast and rows is None else contextlib.nullcontext():
             # MLA expands keys/values from the latent here: many queries per row (``ddtree.model.forward``)
             hidden, feats = self.forward(ids_t, positions_t, write, mask, feature_layers, False, rows)
@@ -176,16 +173,13 @@ class ModelRunner:
         tables: torch.Tensor,  # [B, width + 1]
         span: int,
         features: bool,
-        exact: tuple[tuple[int, int], ...] = (),
+        exact: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The round's target forward (``verify_forward``: compiled with fixed shapes), through this round's
-        flex block mask when ``attention="flex"``. A round with ``exact`` rows ((row, committed length)
-        pairs) runs eagerly over SDPA, which gives their nodes plain decoding's calls
-        (``ddtree.model.invariance``)."""
-        rows = self.exact_rows(tuple(row for row, _ in exact), ids.shape[0])
+        flex block mask when ``attention="flex"``. A round with ``exact`` rows (batch indices) runs
+        eagerly over SDPA's dense mask, which their float64 attention reads (``ddtree.model.invariance``)."""
+        rows = self.exact_rows(exact, ids.shape[0])
         if rows is not None:
-            if not self.forward.mla:  # MLA's absorbed form: not laid out yet
-                rows.groups = tree_groups(rows.indices, tuple(start for _, start in exact), anc)
             args = (ids, positions, cols, starts, anc, tables, span, features)
             return self.verify_forward_eager(*args, exact=rows)
         block_mask = self.shapes.block_mask(self.cache, tables, starts, anc, ids.shape[1])

@@ -63,7 +63,7 @@ class VerifyBatch:
     span: int  # columns attention reads: max_b (start_b + N_b) in whole blocks, or a span bucket
     rows: int  # real rows (the first ``rows`` of the batch)
     nodes: int  # real nodes of the widest tree
-    exact: tuple[tuple[int, int], ...] = ()  # (row, committed length) of rows computed batch-invariantly
+    exact: tuple[int, ...] = ()  # rows computed batch-invariantly (``Request.exact``)
 
     def forward_args(self, features: bool) -> tuple:
         """The verify forward's inputs, in ``ModelRunner.verify``'s order."""
@@ -141,7 +141,7 @@ class Verifier:
             tensors = self.shapes.inputs.load(
                 True, ids=ids, positions=positions, cols=cols, starts=starts_t, anc=anc, tables=tables
             )
-            return VerifyBatch(*tensors, span=span, rows=b, nodes=n, exact=exact_starts(rows))
+            return VerifyBatch(*tensors, span=span, rows=b, nodes=n, exact=exact_rows(rows))
         ids = torch.zeros(bp, np_, dtype=torch.int64, device=device)
         positions = starts_t[:, None].repeat(1, np_)  # [Bp, Np]; padding sits at the root's position
         cols = torch.full((bp, np_), self.runner.cache.scratch, dtype=torch.int64, device=device)
@@ -162,7 +162,7 @@ class Verifier:
             anc=anc,
             tables=tables,
         )
-        return VerifyBatch(*tensors, span=span, rows=b, nodes=n, exact=exact_starts(rows))
+        return VerifyBatch(*tensors, span=span, rows=b, nodes=n, exact=exact_rows(rows))
 
     def accept(
         self, rows: list[Request], trees: TreeBatch, hidden: torch.Tensor, padded: torch.Tensor | None = None
@@ -315,11 +315,6 @@ class Verifier:
             )
             out.features.append(kept[i, :m] if r.drafts else None)  # [m, F * H]
         return out
-
-
-def exact_starts(rows: list[Request]) -> tuple[tuple[int, int], ...]:
-    """(batch index, committed length) of the rows computed batch-invariantly: where their trees sit."""
-    return tuple((i, rows[i].start) for i in exact_rows(rows))
 
 
 def exact_rows(rows: list[Request]) -> tuple[int, ...]:

@@ -192,7 +192,7 @@ class TargetForward:
         exact: ExactRows | None = None,
     ) -> torch.Tensor:
         """GQA (with q/k norms and qkv bias where the model has them): the o_proj output [B, T, H]. The
-        ``exact`` rows attend once more as plain decoding would (``ExactRows.attend``)."""
+        ``exact`` rows attend once more, batch-invariantly (``ExactRows.attend``)."""
         b, t, _ = h.shape
         q = attn.q_proj(h).view(b, t, self.num_heads, self.head_dim)
         k = attn.k_proj(h).view(b, t, self.num_kv_heads, self.head_dim)
@@ -201,9 +201,10 @@ class TargetForward:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = self.rotate(q.transpose(1, 2), k.transpose(1, 2), rope)  # [B, heads, T, D]
         keys, values = write.write(i, k, v)  # [B, kv_heads, span, D]
-        out = attend(q, keys, values, mask, self.scaling)  # [B, heads, T, D]
+        whole = exact is not None and exact.whole
+        out = None if whole else attend(q, keys, values, mask, self.scaling)  # [B, heads, T, D]
         if exact is not None:
-            out = exact.attend(out, q, keys, values, self.scaling)
+            out = exact.attend(out, q, keys, values, mask, self.scaling)
         return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def latent_attention(
@@ -247,7 +248,8 @@ class TargetForward:
             k_pe = latent[:, None, :, rank:].expand(b, heads, s, self.rope_dim)  # [B, heads, S, rope]
             keys = torch.cat((k_nope, k_pe), dim=-1)  # [B, heads, S, nope + rope]
             q = torch.cat((q_nope, q_rot), dim=-1)  # [B, heads, T, nope + rope]
-            out = attend(q, keys, values, mask, self.scaling)  # [B, heads, T, v]
-            if exact is not None:  # a prefill's exact rows; the absorbed verify form has no path layout yet
-                out = exact.attend(out, q, keys, values, self.scaling)
+            whole = exact is not None and exact.whole
+            out = None if whole else attend(q, keys, values, mask, self.scaling)  # [B, heads, T, v]
+            if exact is not None:  # a prefill's exact rows; the absorbed verify form is not exact yet
+                out = exact.attend(out, q, keys, values, mask, self.scaling)
         return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))

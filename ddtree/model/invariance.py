@@ -10,27 +10,23 @@ oneDNN's AMX kernels and AVX-512 bf16 ones, ``docs/benchmarks.md``):
   mode fixes its matmul tiles for the same reason).
 - Attention's bits depend on where a query's columns sit (a tree node's ancestors among masked siblings
   group their sums differently), on how many columns the call reads, masked ones included (the batch's
-  span), and on the other queries of the call (1 to 21 of 8-200 queries of a causal block differ from the
-  same query alone). So every exact query attends as plain decoding's does: the only query of its call,
-  its visible columns in order (the committed ones, then for a tree node its root-to-node path), padded
-  with masked columns to a width of its own (``QUERY_COLS``), never the batch's. Queries of one width go
-  as one batched call (``QueryGroup``): a prefill's positions over views of their row's keys, tree nodes
-  over gathered copies.
+  span), and on the other queries of the call. A layout that mimics plain decoding's call (one query per
+  call over its own columns, as built first) costs a fused kernel's per-call overhead per query: 7.7x an
+  unseeded round on this CPU. So exact rows attend in float64 instead (``exact_attention``), where the
+  order of a sum no longer reaches a bf16 result, in one batched call per layer over the batch's layout.
 
 With both, seeded ``ddtree`` / ``dflash`` emit seeded ``ar``'s tokens in bf16, alone and in any batch. The
 price is paid only in forwards with an exact row: a second pass of the exact rows' linears where a call is
-outside the probed sizes, and per layer one attention call per width, a tree row's nodes' columns copied.
+outside the probed sizes, and their attention once more in float64.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-
-from ddtree.model.attention import attend
 
 # Call sizes the probe tries: every size to 40, then around each power of two to 256 (where kernels switch
 # tiles), 256 being the largest chunk an exact row's linear is split into.
@@ -128,118 +124,73 @@ class InvariantLinear(TorchFunctionMode):
         return out
 
 
-# An exact query attends over its visible columns rounded up to a multiple of this (the rest masked): the
-# one key length plain decoding and every other method use for it. On this CPU the fused kernel's bits
-# depend on the key length even where the extra columns are masked (every padding of 32 or more columns
-# measured), so the length is the query's own, never the batch's span.
-QUERY_COLS = 16
+# Score entries an exact attention call holds at once (float64: 256 MiB); a longer prefill's queries go
+# in chunks (each query's result is its own: chunking changes nothing).
+EXACT_SCORES = 1 << 25
 
 
-def query_width(visible: int | torch.Tensor) -> int | torch.Tensor:
-    """Columns a query with ``visible`` columns reads (a host int, or a tensor of them on the device)."""
-    return -(-visible // QUERY_COLS) * QUERY_COLS
-
-
-@dataclass
-class QueryGroup:
-    """Exact queries that read the same number of columns: one attention call, a query each."""
-
-    width: int
-    rows: torch.Tensor  # [G] each query's batch row
-    queries: torch.Tensor  # [G] its index among the forward's queries
-    seen: torch.Tensor  # [G, 1, 1, width] True = attend: its visible columns
-    cols: torch.Tensor | None = None  # [G, width] the columns it reads in order (None: its row's first width)
-    row: int = -1  # with cols None, the one row of the group
-    take: torch.Tensor | None = None  # [G] the query's width is this group's (a tree node: device-known)
-
-
-def tree_groups(exact: tuple[int, ...], starts: tuple[int, ...], anc: torch.Tensor) -> list[QueryGroup]:
-    """A verify forward's exact rows (batch indices ``exact``, their committed lengths ``starts``; tree block
-    anc [B, N, N]): node j reads its committed columns, then its root-to-node path, in order (a parent's
-    node index is below its children's, so its ancestors in index order are its path). Its depth is on the
-    device, so each row is computed at every width its nodes may have, each node keeping its own."""
-    n, device = anc.shape[1], anc.device
-    nodes = torch.arange(n, device=device)
-    by_width: dict[int, list[tuple]] = {}
-    for row, start in zip(exact, starts, strict=True):
-        a = anc[row]  # [N, N]
-        path = torch.where(a, nodes, nodes + n).argsort(dim=-1)  # [N, N]: its ancestors first, in order
-        visible = start + a.sum(-1)  # [N]
-        for width in sorted({query_width(start + k) for k in range(1, n + 1)}):
-            c = torch.arange(width, device=device)
-            rel = (c - start).clamp(0, n - 1)  # [W]
-            at = start + path.gather(1, rel.expand(n, width))  # [N, W]
-            cols = torch.where(c < start, c, torch.where(c < visible[:, None], at, 0))  # masked: column 0
-            take = query_width(visible) == width  # [N]
-            by_width.setdefault(width, []).append((row, cols, c < visible[:, None], take))
-    groups = []
-    for width, parts in by_width.items():
-        rows = torch.cat([torch.full((n,), row, device=device) for row, *_ in parts])
-        cols, seen, take = (torch.cat([part[i] for part in parts]) for i in (1, 2, 3))
-        queries = nodes.repeat(len(parts))
-        groups.append(QueryGroup(width, rows, queries, seen[:, None, None], cols, take=take))
-    return groups
-
-
-def prefill_groups(
-    exact: tuple[int, ...], offsets: list[int], lengths: list[int], device
-) -> list[QueryGroup]:
-    """A prefill's exact rows (a chunk of ``lengths[e]`` tokens after ``offsets[e]`` cached columns): the
-    query at position p reads columns 0..p; positions of a row that share a width go as one call."""
-    groups = []
-    for row, offset, length in zip(exact, offsets, lengths, strict=True):
-        visible = offset + 1 + torch.arange(length, device=device)  # [L]
-        widths = [query_width(offset + 1 + i) for i in range(length)]
-        lo = 0
-        while lo < length:
-            width = widths[lo]
-            hi = lo + widths[lo:].count(width)  # widths grow with i: a run
-            queries = torch.arange(lo, hi, device=device)
-            seen = torch.arange(width, device=device) < visible[lo:hi, None]  # [G, W]
-            groups.append(
-                QueryGroup(width, torch.full_like(queries, row), queries, seen[:, None, None], row=row)
-            )
-            lo = hi
-    return groups
+def exact_attention(
+    q: torch.Tensor,  # [E, heads, T, D]
+    keys: torch.Tensor,  # [E, kv_heads, S, D]
+    values: torch.Tensor,  # [E, kv_heads, S, Dv]
+    mask: torch.Tensor,  # [E, 1, T, S] bool, True = attend
+    scale: float,
+) -> torch.Tensor:
+    """Attention [E, heads, T, Dv] in float64, rounded back to q's dtype: a query's result depends only on
+    its visible keys and values, not on where they sit, what lies masked between them or what else the
+    call holds. A product of two bf16 (or fp16) values is exact in float64 and a dot product's sum is
+    within 2^-53 of exact in any order, so the order a kernel adds in moves a score by ~1e-16, and the
+    output's rounding to bf16 (2^-8) hides that in all but ~2^-45 of entries (none seen: the tests
+    compare tree layouts, spans and batches against each query computed alone). Masked columns get
+    exactly zero weight (exp(-inf)). No kernel choice is trusted to keep its reduction order: the
+    invariance is the precision's, on any device."""
+    e, heads, t, d = q.shape
+    kv = keys.shape[1]
+    group = heads // kv
+    keys, values = keys.double(), values.double()
+    chunk = max(1, EXACT_SCORES // max(1, heads * keys.shape[2]))
+    parts = []
+    for lo in range(0, t, chunk):
+        qc = q[:, :, lo : lo + chunk].double()  # [E, heads, C, D]
+        c = qc.shape[2]
+        # the heads sharing a KV head fold into its query rows: [E, kv, group * C, D]
+        scores = torch.matmul(qc.reshape(e, kv, group * c, d), keys.transpose(-1, -2)) * scale
+        seen = mask[:, :, lo : lo + chunk, None].expand(e, 1, c, group, -1)  # [E, 1, C, group, S]
+        scores = scores.view(e, kv, group, c, -1).masked_fill(~seen.transpose(2, 3), float("-inf"))
+        probs = torch.softmax(scores.view(e, kv, group * c, -1), dim=-1)
+        parts.append(torch.matmul(probs, values).view(e, heads, c, -1))  # [E, heads, C, Dv]
+    return torch.cat(parts, dim=2).to(q.dtype)
 
 
 @dataclass
 class ExactRows:
-    """A forward's exact rows: the linear mode over them and the attention calls of their queries."""
+    """A forward's exact rows: the linear mode over them and their attention (``exact_attention``)."""
 
     rows: torch.Tensor  # [E]
     indices: tuple[int, ...]  # the same rows, on the host
     batch: int
-    groups: list[QueryGroup] = field(default_factory=list)
 
     def linear(self) -> InvariantLinear:
         return InvariantLinear(self.rows, self.batch)
 
+    @property
+    def whole(self) -> bool:
+        """Every row of the batch is exact: the batch's own attention call can be skipped."""
+        return len(self.indices) == self.batch
+
     def attend(
         self,
-        out: torch.Tensor,  # [B, heads, T, Dv]: the batch's attention, the exact queries' part overwritten
+        out: torch.Tensor | None,  # [B, heads, T, Dv]: the batch's attention (exact rows overwritten); None
+        # when ``whole``
         q: torch.Tensor,  # [B, heads, T, D]
         keys: torch.Tensor,  # [B, kv_heads, span, D]
         values: torch.Tensor,  # [B, kv_heads, span, Dv]
+        mask: torch.Tensor,  # [B, 1, T, span] bool
         scale: float,
     ) -> torch.Tensor:
-        """The exact queries' attention again, as plain decoding computes it: each the only query of its
-        call, over its visible columns in order, at its own width (``QUERY_COLS``)."""
-        for g in self.groups:
-            size = len(g.queries)
-            if g.cols is None:  # one row's positions over its first columns: views, not copies
-                k, v = (fit(x[g.row : g.row + 1], g.width).expand(size, -1, -1, -1) for x in (keys, values))
-            else:  # [G, kv_heads, W, D]: each node's columns gathered
-                k, v = (x.transpose(1, 2)[g.rows[:, None], g.cols].transpose(1, 2) for x in (keys, values))
-            res = attend(q[g.rows, :, g.queries][:, :, None], k, v, g.seen, scale)[:, :, 0]  # [G, heads, Dv]
-            if g.take is not None:
-                res = torch.where(g.take[:, None, None], res, out[g.rows, :, g.queries])
-            out[g.rows, :, g.queries] = res
+        """The exact rows' attention again, computed so that no layout or company reaches its bits."""
+        if out is None:
+            return exact_attention(q, keys, values, mask, scale)
+        r = self.rows
+        out[r] = exact_attention(q[r], keys[r], values[r], mask[r], scale)
         return out
-
-
-def fit(x: torch.Tensor, width: int) -> torch.Tensor:
-    """x [1, kv_heads, span, D] as its first ``width`` columns (zeros past the span: masked)."""
-    if width <= x.shape[2]:
-        return x[:, :, :width]
-    return F.pad(x, (0, 0, 0, width - x.shape[2]))

@@ -21,6 +21,7 @@ from ddtree.config import (
     BATCH_FLAGS,
     COMPILE_FLAGS,
     MEMORY_FLAGS,
+    NUMERICS_FLAGS,
     PARALLEL_FLAGS,
     SPECULATIVE_FLAGS,
     EngineConfig,
@@ -46,7 +47,9 @@ SERVE_EXAMPLES = """example:
   ddtree serve --device cuda --compile --max-batch-size 8 --batch-buckets 1,2,4,8   # compiled at start-up"""
 
 
-ENGINE_FLAGS = SPECULATIVE_FLAGS + PARALLEL_FLAGS + MEMORY_FLAGS + COMPILE_FLAGS  # generate's and serve's
+ENGINE_FLAGS = (
+    SPECULATIVE_FLAGS + PARALLEL_FLAGS + MEMORY_FLAGS + COMPILE_FLAGS + NUMERICS_FLAGS
+)  # generate, serve
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:

@@ -144,6 +144,13 @@ class EngineConfig:
         help="with --compile: 'flex' reads each row's own KV blocks up to its length (FlexAttention over the "
         "paged pool) instead of a span of every row",
     )  # fmt: skip
+    # -- numerics
+    batch_invariant: bool = flag(
+        False, "--batch-invariant", action="store_true", hidden=("--enable-deterministic-inference",),
+        help="compute every request as it would be computed alone (in bf16/fp16; seeded samples always "
+        "are): greedy output then equals plain decoding's token for token at any batch and method, at "
+        "the batch-invariant path's cost (eager rounds, float64 attention)",
+    )  # fmt: skip
     draft_dtype: Any = None  # the drafter's torch dtype, when it differs from the target's
     profile: bool = False  # time every stage (waits for the device at each stage boundary)
     from_flags: InitVar[bool] = False  # messages name flags (the command line) rather than keywords
@@ -265,6 +272,7 @@ MEMORY_FLAGS = (
 )
 COMPILE_FLAGS = ("compile", "batch_buckets", "node_buckets", "span_buckets", "attention")
 BATCH_FLAGS = ("max_num_seqs",)
+NUMERICS_FLAGS = ("batch_invariant",)
 
 
 def add_engine_flags(p: argparse.ArgumentParser, names: Iterable[str]) -> None:

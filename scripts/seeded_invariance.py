@@ -4,7 +4,8 @@ speculation emits seeded plain decoding's tokens, and what the exact rows' batch
 Equality: each prompt's seeded ``ddtree`` (budget 16) output against seeded ``ar``, alone, and the same
 request among others in one ``generate`` call. Cost: the same requests with and without a seed (only the
 seed differs; an unseeded row takes the fast path, ``Request.exact``), interleaved pass by pass, at
-concurrency 1 and ``--batch``; tokens/s as a ratio. Usage:
+concurrency 1 and ``--batch``; tokens/s as a ratio. Then greedy decoding with and without
+``batch_invariant`` (every row exact): equality with each prompt decoded alone, and tokens/s. Usage:
 python scripts/seeded_invariance.py [--prompts 12] [--batch 8] [--tokens 48] [--passes 2]
 """
 
@@ -72,6 +73,26 @@ def main() -> None:
             f"unseeded {rate['unseeded']:.1f} tok/s (tau {statistics.mean(taus['unseeded']):.2f}), "
             f"ratio {rate['seeded'] / rate['unseeded']:.2f}"
         )
+
+    invariant = Engine.from_pretrained(dtype=torch.bfloat16, budget=16, batch_invariant=True)
+    alone = [invariant.generate(q, greedy, method="ar").token_ids for q in prompts]
+    engines = {"batch_invariant": invariant, "default": engine}
+    totals = {name: [0.0, 0] for name in engines}
+    for _ in range(args.passes):
+        for lo in range(0, len(prompts), args.batch):
+            group = prompts[lo : lo + args.batch]
+            for name, e in engines.items():
+                t = time.perf_counter()
+                results = e.generate(group, greedy)
+                totals[name][0] += time.perf_counter() - t
+                totals[name][1] += sum(len(r.token_ids) for r in results)
+                same = sum(r.token_ids == alone[lo + i] for i, r in enumerate(results))
+                print(f"greedy ddtree@16, {name}: batch at {lo} == alone: {same} / {len(group)}")
+    rate = {name: tokens / seconds for name, (seconds, tokens) in totals.items()}
+    print(
+        f"greedy c = {args.batch}: batch_invariant {rate['batch_invariant']:.1f} tok/s, default "
+        f"{rate['default']:.1f} tok/s, ratio {rate['batch_invariant'] / rate['default']:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,14 @@ from functools import partial
 from pathlib import Path
 
 from ddtree.argparsing import Parser, add_load_options, apply_threads, comma_list
-from ddtree.config import COMPILE_FLAGS, MEMORY_FLAGS, PARALLEL_FLAGS, EngineConfig, add_engine_flags
+from ddtree.config import (
+    COMPILE_FLAGS,
+    MEMORY_FLAGS,
+    NUMERICS_FLAGS,
+    PARALLEL_FLAGS,
+    EngineConfig,
+    add_engine_flags,
+)
 from ddtree.errors import DDTreeError
 from ddtree.request.params import parse_budget
 
@@ -50,7 +57,7 @@ def add_bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="base seed; each (prompt, repeat) derives its own")
     p.add_argument("--pld-tokens", type=int, default=10, help="hf-pld: prompt_lookup_num_tokens")
     add_load_options(p)
-    add_engine_flags(p, ("topk", *PARALLEL_FLAGS, *MEMORY_FLAGS, *COMPILE_FLAGS))
+    add_engine_flags(p, ("topk", *PARALLEL_FLAGS, *MEMORY_FLAGS, *COMPILE_FLAGS, *NUMERICS_FLAGS))
     p.add_argument("--tree-vocab", type=int, default=32768,
                    help="vocabulary of the tree-build timing; 0 = skip it")  # fmt: skip
     p.add_argument("--concurrency", type=comma_list(int, "--concurrency"), default=None,

@@ -314,6 +314,7 @@ class Engine:
                 ),
                 generator=torch.Generator(device=self.runner.device).manual_seed(seed),
                 key=key_of(seed),
+                invariant=self.config.batch_invariant,
                 auto_width=self.auto.start_width,
                 cache_salt=cache_salt,
                 grammar=grammar,

@@ -180,6 +180,7 @@ class Request:
     cached_blocks: int = 0  # of its blocks, those already indexed in the prefix cache (or examined)
     error: str | None = None  # why a step failed for this request alone (finish_reason "error")
     key: int = 0  # its coins' key (``speculative.coins``): the seed's, or drawn at admission
+    invariant: bool = False  # computed batch-invariantly whatever it samples (``batch_invariant``)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # the prompt's so far (prompt_logprobs)
     status: RequestStatus = RequestStatus.WAITING
 
@@ -205,8 +206,9 @@ class Request:
 
     @property
     def exact(self) -> bool:
-        """Its tokens must not depend on its batch or method: a seeded sample (``model.invariance``)."""
-        return self.params.seed is not None and not self.params.greedy
+        """Its tokens must not depend on its batch or method: a seeded sample, or every request of a
+        ``batch_invariant`` engine (``model.invariance``)."""
+        return self.invariant or (self.params.seed is not None and not self.params.greedy)
 
 
 @dataclass

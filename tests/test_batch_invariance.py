@@ -8,6 +8,7 @@ the parents list) in order, computed head by head in float64 and rounded to bf16
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from ddtree.bench.prompts import BUILTIN_PROMPTS
 from ddtree.model import invariance
 from ddtree.model.invariance import ExactRows, InvariantLinear, RowRegime, probe
 from ddtree.model.precision import fast_low_precision
+from tests.conftest import moe_drafter, tiny_moe_target
 
 BF16 = torch.bfloat16
 
@@ -236,3 +238,44 @@ def test_without_batch_invariance_greedy_bf16_depends_on_the_batch():
     outputs for some of them on this CPU (near-ties the batch's kernels round the other way; 2-3 of 12
     per method measured), so the equality above is the flag's doing."""
     assert any(greedy_mismatches(False).values())
+
+
+def mla_runs() -> list[list[list[int]]]:
+    """A tiny bf16 MLA + MoE target (DeepSeek-V3's layout) under ``batch_invariant``: six greedy and seeded
+    requests, each alone with ``ar``, then all at once with ``ddtree`` / ``dflash``, in a pool that
+    preempts them, and prefilled in 5-token chunks (positions a verify round computed in the absorbed
+    form come back through a prefill's expanded one)."""
+    target = tiny_moe_target("deepseek_v3").to(BF16)
+    drafter = moe_drafter(target).to(BF16)
+    prompts = [[2 + (7 * i + 5 * j) % 29 for j in range(12 + i)] for i in range(6)]
+    sampled = SamplingParams(max_new_tokens=60, ignore_eos=True, temperature=1.0)
+    sps = [replace(sampled, seed=i) if i % 2 else replace(sampled, temperature=0.0) for i in range(6)]
+    common = dict(max_num_seqs=6, batch_invariant=True, prefill_gap_rounds=None)
+    engine = Engine(target, drafter, max_model_len=256, **common)
+    runs = [[engine.generate(p, sp, method="ar").token_ids for p, sp in zip(prompts, sps, strict=True)]]
+    pool = 2 * -(-(20 + 60 + engine.runner.drafter.block_size) // 16) * engine.runner.block_bytes
+    tight = Engine(target, drafter, max_model_len=96, kv_cache_memory=pool, **common)
+    chunked = Engine(target, drafter, max_model_len=256, max_num_batched_tokens=5, **common)
+    for e, method, budget in [(engine, "ddtree", 16), (engine, "dflash", None), (tight, "ddtree", 8)]:
+        runs.append([r.token_ids for r in e.generate(prompts, sps, method=method, budget=budget)])
+    runs.append([r.token_ids for r in chunked.generate(prompts, sps, method="ddtree", budget=8)])
+    assert tight.num_preemptions > 0
+    return runs
+
+
+def test_an_mla_targets_exact_rows_are_the_same_alone_batched_preempted_and_chunked():
+    """MLA's exact rows attend in one float64 absorbed form in a prefill and in a verify round alike, so
+    greedy and seeded outputs equal plain decoding alone through batching, preemption and chunking."""
+    alone, *others = mla_runs()
+    for run in others:
+        assert run == alone
+
+
+def test_without_the_float64_latent_form_a_preempted_mla_row_changes(monkeypatch):
+    """The mutation for the test above: with the exact rows' MLA attention left to the batch's bf16 call
+    (absorbed in a verify round, expanded in a prefill), a preempted row's recomputed positions round
+    differently and its output leaves plain decoding's (3 of 6 rows measured)."""
+    monkeypatch.setattr(ExactRows, "whole", False)
+    monkeypatch.setattr(ExactRows, "attend_latent", lambda self, out, *args: out)
+    alone, *others = mla_runs()
+    assert any(run != alone for run in others)

@@ -237,7 +237,9 @@ class TargetForward:
         new = torch.cat((attn.kv_a_layernorm(c), k_rot[:, 0]), dim=-1)  # [B, T, rank + rope]
         latent = write.write_latent(i, new)  # [B, S, rank + rope]
         w = attn.kv_b_proj.weight.view(heads, nope + self.v_dim, rank)  # [heads, nope + v, rank]
-        if absorbed:
+        if exact is not None and exact.whole:
+            out = torch.empty(b, heads, t, self.v_dim, dtype=h.dtype, device=h.device)
+        elif absorbed:
             q_lat = torch.matmul(q_nope, w[:, :nope])  # [B, heads, T, rank]: W_UK^T q_nope
             out = attend_latent(torch.cat((q_lat, q_rot), dim=-1), latent, rank, mask, self.scaling)
             out = torch.matmul(out, w[:, nope:].transpose(1, 2))  # [B, heads, T, v]: through W_UV
@@ -248,8 +250,8 @@ class TargetForward:
             k_pe = latent[:, None, :, rank:].expand(b, heads, s, self.rope_dim)  # [B, heads, S, rope]
             keys = torch.cat((k_nope, k_pe), dim=-1)  # [B, heads, S, nope + rope]
             q = torch.cat((q_nope, q_rot), dim=-1)  # [B, heads, T, nope + rope]
-            whole = exact is not None and exact.whole
-            out = None if whole else attend(q, keys, values, mask, self.scaling)  # [B, heads, T, v]
-            if exact is not None:  # a prefill's exact rows; the absorbed verify form is not exact yet
-                out = exact.attend(out, q, keys, values, mask, self.scaling)
+            out = attend(q, keys, values, mask, self.scaling)  # [B, heads, T, v]
+        if exact is not None:  # one float64 form for prefill and verify (``exact_latent_attention``)
+            dense = mask.view(b, 1, heads, t, -1)[:, :, 0] if absorbed else mask  # unfolded: [B, 1, T, S]
+            out = exact.attend_latent(out, q_nope, q_rot, latent, w, dense, self.scaling)
         return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))

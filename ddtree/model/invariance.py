@@ -15,6 +15,9 @@ oneDNN's AMX kernels and AVX-512 bf16 ones, ``docs/benchmarks.md``):
   unseeded round on this CPU. So exact rows attend in float64 instead (``exact_attention``), where the
   order of a sum no longer reaches a bf16 result, in one batched call per layer over the batch's layout.
 
+MLA's exact rows take one float64 absorbed form (``exact_latent_attention``) in a prefill and a verify
+round alike, where the batch's bf16 forms differ (a prefill expands keys, a verify absorbs W_UK).
+
 With both, seeded ``ddtree`` / ``dflash`` emit seeded ``ar``'s tokens in bf16, alone and in any batch. The
 price is paid only in forwards with an exact row: a second pass of the exact rows' linears where a call is
 outside the probed sizes, and their attention once more in float64.
@@ -59,23 +62,22 @@ def regime(weight: torch.Tensor, bias: torch.Tensor | None) -> RowRegime:
 
 
 def probe(weight: torch.Tensor, bias: torch.Tensor | None) -> RowRegime:
-    """Measure the widest regime starting at 1 or 2 rows: for each call size in ``PROBE_SIZES``, its first
-    and last rows against the same rows alone (``lo`` copies). Kernels differ here: on one CPU (oneDNN,
-    AMX) every call of 1-32 rows agrees and larger calls do not; on another (AVX-512 bf16) a one-row call
-    differs from every larger call from K = 2,048 up, and calls of 2-512 rows all agree."""
+    """Measure the widest regime starting at 2 rows, or at 1 where it is wider: for each call size in
+    ``PROBE_SIZES``, every row of the call against the same row alone (``lo`` copies). Kernels differ
+    here: on one CPU (oneDNN, AMX) every call of 1-32 rows agreed and larger calls did not; on another
+    (AVX-512 bf16) a one-row call differs from larger ones, for some rows and shapes only (a matrix-vector
+    kernel against a matrix one: seen at K = 32 for 1 row in 300, at K >= 2,048 for most), while calls of
+    2-256 rows all agree. So 2 is preferred: a one-row regime that a probe's rows happen to pass can fail
+    on other data (it did, K = 32, at 132 rows and up)."""
     weight, bias = weight[:PROBE_OUTPUTS], None if bias is None else bias[:PROBE_OUTPUTS]
     gen = torch.Generator(device=weight.device).manual_seed(0)
     x = torch.randn(PROBE_SIZES[-1], weight.shape[1], generator=gen, device=weight.device, dtype=weight.dtype)
     best = RowRegime(1, 1)  # a row alone is its own reference
-    for lo in (1, 2):
-
-        def alone(i: int, lo: int = lo) -> torch.Tensor:
-            return F.linear(x[i : i + 1].repeat(lo, 1), weight, bias)[0]
-
+    for lo in (2, 1):
+        alone = torch.stack([F.linear(x[i : i + 1].repeat(lo, 1), weight, bias)[0] for i in range(len(x))])
         hi = lo - 1
         for m in (m for m in PROBE_SIZES if m >= lo):
-            out = F.linear(x[:m], weight, bias)
-            if not (torch.equal(out[0], alone(0)) and torch.equal(out[m - 1], alone(m - 1))):
+            if not torch.equal(F.linear(x[:m], weight, bias), alone[:m]):
                 break
             hi = m
         if hi >= lo and hi > best.hi:
@@ -162,6 +164,36 @@ def exact_attention(
     return torch.cat(parts, dim=2).to(q.dtype)
 
 
+def exact_latent_attention(
+    q_nope: torch.Tensor,  # [E, heads, T, nope]
+    q_rot: torch.Tensor,  # [E, heads, T, rope], rotated
+    latent: torch.Tensor,  # [E, S, rank + rope]: the cached latents
+    w: torch.Tensor,  # [heads, nope + v, rank]: kv_b_proj's weight (W_UK its first nope rows, W_UV the rest)
+    mask: torch.Tensor,  # [E, 1, T, S] bool, True = attend
+    scale: float,
+) -> torch.Tensor:
+    """MLA attention [E, heads, T, v] in float64 in the absorbed form, rounded to q's dtype: the one form
+    both a prefill (which expands keys in bf16) and a verify round (which absorbs W_UK in bf16) give their
+    exact rows, so a position gets the same bits whichever forward computed it (``exact_attention``'s
+    argument, W_UK and W_UV inside the float64 pass)."""
+    e, heads, t, nope = q_nope.shape
+    rank = w.shape[2]
+    w = w.double()
+    latent = latent.double()  # [E, S, rank + rope]
+    chunk = max(1, EXACT_SCORES // max(1, heads * latent.shape[1]))
+    parts = []
+    for lo in range(0, t, chunk):
+        q_lat = torch.matmul(q_nope[:, :, lo : lo + chunk].double(), w[:, :nope])  # [E, heads, C, rank]
+        q = torch.cat((q_lat, q_rot[:, :, lo : lo + chunk].double()), dim=-1)  # [E, heads, C, rank + rope]
+        c = q.shape[2]
+        scores = torch.matmul(q.reshape(e, heads * c, -1), latent.transpose(1, 2)) * scale  # [E, heads*C, S]
+        seen = mask[:, :, lo : lo + chunk].expand(e, heads, c, -1).reshape(e, heads * c, -1)
+        probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+        out = torch.matmul(probs, latent[..., :rank]).view(e, heads, c, rank)  # in the latent space
+        parts.append(torch.matmul(out, w[:, nope:].transpose(1, 2)))  # [E, heads, C, v]: through W_UV
+    return torch.cat(parts, dim=2).to(q_nope.dtype)
+
+
 @dataclass
 class ExactRows:
     """A forward's exact rows: the linear mode over them and their attention (``exact_attention``)."""
@@ -193,4 +225,19 @@ class ExactRows:
             return exact_attention(q, keys, values, mask, scale)
         r = self.rows
         out[r] = exact_attention(q[r], keys[r], values[r], mask[r], scale)
+        return out
+
+    def attend_latent(
+        self,
+        out: torch.Tensor,  # [B, heads, T, v]: the batch's MLA attention, the exact rows' part overwritten
+        q_nope: torch.Tensor,  # [B, heads, T, nope]
+        q_rot: torch.Tensor,  # [B, heads, T, rope]
+        latent: torch.Tensor,  # [B, S, rank + rope]
+        w: torch.Tensor,  # [heads, nope + v, rank]
+        mask: torch.Tensor,  # [B, 1, T, S] bool
+        scale: float,
+    ) -> torch.Tensor:
+        """MLA's exact rows again (``exact_latent_attention``), in a prefill and a verify round alike."""
+        r = self.rows
+        out[r] = exact_latent_attention(q_nope[r], q_rot[r], latent[r], w, mask[r], scale)
         return out

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ddtree.engine import Engine
+from ddtree.engine.scheduler import DRAFT_BACKLOG
 from ddtree.request.params import SamplingParams
 from ddtree.speculative.budget import AcceptanceCalibration, CostModel, LinearCost, MovingRatio, choose_counts
 from tests.test_engine_greedy import PROMPTS, hf_greedy
@@ -148,6 +149,41 @@ def test_a_stretch_of_plain_rounds_leaves_the_drafter_as_if_it_had_drafted_throu
     theirs = drafting.runner.draft_cache.keys + drafting.runner.draft_cache.values
     for a, b in zip(mine, theirs, strict=True):  # every layer's keys and values, [rows, kvh, cols, d]
         torch.testing.assert_close(a[0, :, :n], b[0, :, :n], atol=1e-5, rtol=0)
+
+
+def test_a_stretch_longer_than_the_backlog_keeps_only_the_latest_positions_for_the_drafter(pair):
+    """After 30 plain rounds the drafter consumes only its last DRAFT_BACKLOG blocks of features: the
+    older positions are skipped for good (no column written for them), each later column holds the keys
+    and values a drafter that drafted every round holds at its position, and the output is still plain
+    greedy decoding's."""
+    target, drafter = pair
+    prompt, params = PROMPTS[2], SamplingParams(max_new_tokens=60)
+    skipping = Engine(target, drafter, budget="auto")
+    drafting = Engine(target, drafter, budget=8)
+    skipping.add_request(prompt, params)
+    drafting.add_request(prompt, params)
+    skipping.step()  # prefill
+    drafting.step()
+    skipping.scheduler.auto_skip = 30
+    for _ in range(31):
+        skipping.step()
+    request = skipping.running[0]
+    backlog = DRAFT_BACKLOG * drafter.block_size
+    assert request.draft_skipped == 30 - backlog and request.draft_gap == len(prompt)
+    assert request.draft_len == request.draft_gap + backlog
+    while drafting.running[0].draft_len < request.draft_len + request.draft_skipped:
+        drafting.step()
+    gap, skipped, end = request.draft_gap, request.draft_skipped, request.draft_len
+    mine = skipping.runner.draft_cache.keys + skipping.runner.draft_cache.values
+    theirs = drafting.runner.draft_cache.keys + drafting.runner.draft_cache.values
+    other = drafting.running[0]
+    for a, b in zip(mine, theirs, strict=True):  # [blocks, block_size, kvh, d]: each request's columns
+        a, b = a[request.blocks].flatten(0, 1), b[other.blocks].flatten(0, 1)
+        torch.testing.assert_close(a[:gap], b[:gap], atol=1e-5, rtol=0)
+        torch.testing.assert_close(a[gap:end], b[gap + skipped : end + skipped], atol=1e-5, rtol=0)
+    while skipping.running:
+        skipping.step()
+    assert request.output.token_ids == hf_greedy(target, prompt, 60)
 
 
 def test_auto_works_before_any_cost_is_measured(pair):

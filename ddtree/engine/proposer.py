@@ -26,11 +26,13 @@ from ddtree.speculative.tree import TreeBatch, TreeShape, TreeSpec, build_tree_b
 @dataclass(frozen=True)
 class DraftSlot:
     """One row of a drafter pass: the target features it consumes now [k, F * H] (None: none), the
-    drafter-cache column they start at, and the root its block starts with (-1 while prefilling)."""
+    drafter-cache column they start at, the root its block starts with (-1 while prefilling), and the
+    positions its cache skipped before that column (``Request.draft_skipped``)."""
 
     features: torch.Tensor | None
     start: int
     root: int
+    skipped: int = 0
 
 
 class Proposer:
@@ -57,9 +59,10 @@ class Proposer:
         scheduler drops them).
 
         A row's context may hold the features of several rounds (budget "auto" skips the drafter while
-        drafting does not pay): the pass catches up on all of them, so the drafter's cache ends up exactly
-        as if it had drafted every round. With fixed shapes the pass is padded to a batch bucket, with a
-        context of one block: a longer backlog repeats the same pass, and the last one drafts.
+        drafting does not pay): the pass catches up on all of them, at most ``DRAFT_BACKLOG`` blocks (the
+        scheduler drops older ones, ``Scheduler._trim_backlog``). With fixed shapes the pass is padded to a
+        batch bucket, with a context of one block: a longer backlog repeats the same pass, and the last one
+        drafts.
         """
         pending = [torch.cat(r.features) if r.features else None for r in rows]  # [T_i, F * H]
         totals = [0 if p is None else p.shape[0] for p in pending]
@@ -69,7 +72,7 @@ class Proposer:
             c, done = self.runner.drafter.block_size, [0] * len(rows)
             while True:
                 slots = [
-                    DraftSlot(None if p is None else p[d : d + c], r.draft_len + d, r.root)
+                    DraftSlot(None if p is None else p[d : d + c], r.draft_len + d, r.root, r.draft_skipped)
                     for r, p, d in zip(rows, pending, done, strict=True)
                 ]
                 hidden = self.draft_pass([*slots, *[None] * (b - len(rows))], c, tables, fixed=True)
@@ -77,7 +80,9 @@ class Proposer:
                 if done == totals:
                     break
         else:
-            slots = [DraftSlot(p, r.draft_len, r.root) for r, p in zip(rows, pending, strict=True)]
+            slots = [
+                DraftSlot(p, r.draft_len, r.root, r.draft_skipped) for r, p in zip(rows, pending, strict=True)
+            ]
             hidden = self.draft_pass(slots, max(totals), self.shapes.block_tables(rows), fixed=False)
         return hidden[: len(rows), 1:], totals  # [D, block_size - 1, H]
 
@@ -114,7 +119,7 @@ class Proposer:
         ctx_positions = np.zeros((b, c), dtype=np.int64)
         ctx_cols = np.full((b, c), scratch, dtype=np.int64)
         block_cols = np.full((b, bs), scratch, dtype=np.int64)
-        block_positions = np.broadcast_to(np.arange(bs), (b, bs))
+        block_positions = np.tile(np.arange(bs), (b, 1))  # idle rows: 0.. (finite, never read)
         ends = np.ones(b, dtype=np.int64)
         for i, slot in enumerate(slots):
             if slot is None:
@@ -122,10 +127,12 @@ class Proposer:
             k = 0 if slot.features is None else slot.features.shape[0]
             if k:
                 features[i, :k] = slot.features
-                ctx_cols[i, :k] = ctx_positions[i, :k] = slot.start + np.arange(k)
+                ctx_cols[i, :k] = slot.start + np.arange(k)
+                ctx_positions[i, :k] = ctx_cols[i, :k] + slot.skipped
             if slot.root >= 0:  # while prefilling there is no root yet (and the block is not read)
                 block[i, 0] = slot.root
             block_cols[i] = slot.start + k + np.arange(bs)  # after the consumed context
+            block_positions[i] = block_cols[i] + slot.skipped
             ends[i] = slot.start + k + bs
         inputs = self.shapes.inputs.load(
             fixed,
@@ -133,7 +140,7 @@ class Proposer:
             features=features,
             ctx_positions=ctx_positions,
             ctx_cols=ctx_cols,
-            block_positions=np.where(block_cols == scratch, block_positions, block_cols),
+            block_positions=block_positions,
             block_cols=block_cols,
             ends=ends,
             tables=tables,

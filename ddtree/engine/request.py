@@ -151,9 +151,10 @@ class Request:
     prefill puts ``prefill_ids`` in the cache, ``computed`` of them so far (in chunks when long; a prefix
     cache hit counts as computed); after that the cache holds the committed tokens at columns [0, start)
     and the root (the last emitted token, not yet in the cache) sits at position ``start``. A drafting
-    request's drafter cache holds [0, draft_len), and ``features`` the target features of the tokens it
-    has not consumed yet. A preempted request loses all of that and is prefilled again from its prompt and
-    output (its cached prefix, if still cached, excepted).
+    request's drafter cache holds [0, draft_len) (positions shifted by ``draft_skipped`` past
+    ``draft_gap``), and ``features`` the target features of the tokens it has not consumed yet. A
+    preempted request loses all of that and is prefilled again from its prompt and output (its cached
+    prefix, if still cached, excepted).
     """
 
     request_id: str
@@ -171,6 +172,9 @@ class Request:
     start: int = 0
     root: int = -1
     draft_len: int = 0
+    draft_skipped: int = 0  # positions the drafter never consumed (a backlog's oldest, dropped): column c
+    # of its cache past ``draft_gap`` holds position c + draft_skipped
+    draft_gap: int = -1  # the first such column (-1: none; the cache holds its own positions throughout)
     features: list[torch.Tensor] = field(default_factory=list)  # [C_i, F * H] per round not drafted on
     auto_width: int = 8  # budget "auto": drafted nodes chosen last time (sizes the next candidate tree)
     cache_salt: str | None = None  # requests with different salts share no cached block
@@ -199,6 +203,11 @@ class Request:
         so none of them may come from the prefix cache)."""
         scored = len(self.prompt_logprobs or [])
         return self.params.prompt_logprobs is not None and scored < len(self.prompt_ids)
+
+    @property
+    def draft_aligned(self) -> int:
+        """Drafter cache columns that hold their own positions (what a prefix-cache hit may reuse)."""
+        return self.draft_len if self.draft_gap < 0 else self.draft_gap
 
     @property
     def auto(self) -> bool:

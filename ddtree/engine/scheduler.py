@@ -21,9 +21,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from ddtree.engine.block_manager import BlockManager
 from ddtree.engine.request import Request, RequestStatus, StepOutput, StreamDelta
 from ddtree.errors import DDTreeError
+
+# Drafter blocks of target features a row may have pending; older ones are dropped (``_trim_backlog``)
+DRAFT_BACKLOG = 2
 
 
 @dataclass(frozen=True)
@@ -170,7 +175,7 @@ class Scheduler:
         drafter has consumed the context as well)."""
         for r in rows:
             final = r.computed if r.prefilling else r.start
-            self.blocks.cache(r, min(final, r.draft_len) if r.drafts else final, r.drafts)
+            self.blocks.cache(r, min(final, r.draft_aligned) if r.drafts else final, r.drafts)
 
     def update_from_output(self, out: StepOutput) -> list[StreamDelta]:
         """Apply a step's results to its requests (chunks prefilled, the drafter's context consumed and
@@ -201,6 +206,7 @@ class Scheduler:
             r.features = []  # a pass consumes all a row has pending
         if out.features[i] is not None:
             r.features.append(out.features[i])
+            self._trim_backlog(r)
         if i in out.auto_widths:
             r.auto_width = out.auto_widths[i]
         if out.auto_status is not None and r.auto:
@@ -259,11 +265,29 @@ class Scheduler:
         """Free r's blocks and queue it first: its next prefill recomputes its prompt and output."""
         self._leave(r)
         r.status = RequestStatus.PREEMPTED
-        r.computed = r.start = r.draft_len = 0
+        r.computed = r.start = r.draft_len = r.draft_skipped = 0
+        r.draft_gap = -1
         r.prefill_ids = []
         r.stats.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(r)
+
+    def _trim_backlog(self, r: Request) -> None:
+        """Keep at most ``DRAFT_BACKLOG`` drafter blocks of r's pending target features, dropping the oldest.
+
+        An auto row in a stretch of plain rounds queues a round's features each round; a probe's drafter
+        pass used to consume them all, a pass over the whole stretch (at 16 rows and T = 1 the probes' 88 ms
+        of matmuls beside the plain rounds' 278 ms). The drafter's next tokens depend mostly on the latest
+        positions, so the probe gets those and the older ones stay out of its context for good: their
+        columns are never written (the cache goes on from the gap, each column shifted by ``draft_skipped``
+        positions). A drafting row commits at most a block a round and never reaches the bound."""
+        excess = sum(f.shape[0] for f in r.features) - DRAFT_BACKLOG * self.draft_block
+        if excess <= 0:
+            return
+        if r.draft_gap < 0:
+            r.draft_gap = r.draft_len
+        r.draft_skipped += excess
+        r.features = [torch.cat(r.features)[excess:]]  # [backlog, F * H]
 
     def drafting_this_round(self, rows: list[Request]) -> list[Request]:
         """Of the round's rows, those whose drafter runs: "auto" rows skip it during a stretch of plain

@@ -149,7 +149,9 @@ def exact_attention(
     e, heads, t, d = q.shape
     kv = keys.shape[1]
     group = heads // kv
-    keys, values = keys.double(), values.double()
+    # contiguous float64 copies: a strided one (the pool's [B, span, kv, D] read, transposed) made every
+    # matmul below copy it again (10 ms against 1.9 ms for 16 decode rows over 320 columns)
+    keys, values = (contiguous64(x) for x in (keys, values))
     chunk = max(1, EXACT_SCORES // max(1, heads * keys.shape[2]))
     parts = []
     for lo in range(0, t, chunk):
@@ -162,6 +164,11 @@ def exact_attention(
         probs = torch.softmax(scores.view(e, kv, group * c, -1), dim=-1)
         parts.append(torch.matmul(probs, values).view(e, heads, c, -1))  # [E, heads, C, Dv]
     return torch.cat(parts, dim=2).to(q.dtype)
+
+
+def contiguous64(x: torch.Tensor) -> torch.Tensor:
+    """x as a contiguous float64 tensor, in one copy."""
+    return torch.empty(x.shape, dtype=torch.float64, device=x.device).copy_(x)
 
 
 def exact_latent_attention(
@@ -179,7 +186,7 @@ def exact_latent_attention(
     e, heads, t, nope = q_nope.shape
     rank = w.shape[2]
     w = w.double()
-    latent = latent.double()  # [E, S, rank + rope]
+    latent = contiguous64(latent)  # [E, S, rank + rope]
     chunk = max(1, EXACT_SCORES // max(1, heads * latent.shape[1]))
     parts = []
     for lo in range(0, t, chunk):

@@ -172,10 +172,13 @@ class Scheduler:
     def cache_blocks(self, rows: list[Request]) -> None:
         """After a step: index the rows' full blocks whose keys/values are now final for later requests
         (the target's below the committed tokens or the prefilled prompt; a drafting row's up to where its
-        drafter has consumed the context as well)."""
+        drafter has consumed the context as well, and past a gap in its drafter's cache the target's
+        alone)."""
         for r in rows:
             final = r.computed if r.prefilling else r.start
             self.blocks.cache(r, min(final, r.draft_aligned) if r.drafts else final, r.drafts)
+            if r.drafts and r.draft_gap >= 0:  # past its drafter's gap: the target's keys/values alone
+                self.blocks.cache(r, final, False)
 
     def update_from_output(self, out: StepOutput) -> list[StreamDelta]:
         """Apply a step's results to its requests (chunks prefilled, the drafter's context consumed and

@@ -4,14 +4,18 @@ One engine (the built-in pair, ``--dtype auto``), ``ddtree bench --concurrency``
 (``bench.concurrency.run_level``: ``max(2c, prompts)`` requests, c in flight, a finished one replaced at the
 next step) for ``ar`` and ``ddtree@auto`` in turn, ``--passes`` times each after one warm-up pass; on this
 2-core VM one pass's tokens/s moves by up to ~35% run to run, so the ratio is the pooled one (all tokens over
-all seconds) with the per-pass ratios beside it. Usage:
-python scripts/auto_interleaved.py [--concurrency 16] [--temperature 1] [--top-p 1] [--passes 4]
+all seconds) with the per-pass ratios beside it. The bench seeds every sampled request (each method then
+emits the same text); in bf16 a seeded row is computed batch-invariantly, a per-round cost that weighs on
+plain decoding's one-token rounds most, so ``--unseeded`` drops the seeds (each run samples its own text).
+Usage:
+python scripts/auto_interleaved.py [--concurrency 16] [--temperature 1] [--top-p 1] [--passes 4] [--unseeded]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import torch
 
@@ -19,6 +23,12 @@ from ddtree import Engine
 from ddtree.bench.concurrency import run_level
 from ddtree.bench.prompts import BUILTIN_PROMPTS
 from ddtree.bench.runner import BenchConfig, Spec
+from ddtree.request.params import SamplingParams
+
+
+class UnseededConfig(BenchConfig):
+    def sampling(self, temperature: float, seed: int) -> SamplingParams:
+        return replace(super().sampling(temperature, seed), seed=None)
 
 
 def main() -> None:
@@ -29,12 +39,13 @@ def main() -> None:
     p.add_argument("--passes", type=int, default=4)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--unseeded", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
     lines = BUILTIN_PROMPTS.read_text().splitlines()[: args.prompts]
     engine = Engine.from_pretrained(budget="auto", profile=True, max_num_seqs=args.concurrency)
     ids = [engine.encode(json.loads(line)["prompt"]) for line in lines]
-    cfg = BenchConfig(
+    cfg = (UnseededConfig if args.unseeded else BenchConfig)(
         methods=("ar", "ddtree"),
         budgets=("auto",),
         temperatures=(args.temperature,),
@@ -57,7 +68,8 @@ def main() -> None:
         print(f" (auto / ar {rates['ddtree@auto'] / rates['ar']:.2f})")
     pooled = {k: tokens / seconds for k, (tokens, seconds) in totals.items()}
     print(
-        f"c = {args.concurrency}, T = {args.temperature}, top-p {args.top_p}: ar {pooled['ar']:.1f} tok/s, "
+        f"c = {args.concurrency}, T = {args.temperature}, top-p {args.top_p}"
+        f"{', unseeded' if args.unseeded else ''}: ar {pooled['ar']:.1f} tok/s, "
         f"auto {pooled['ddtree@auto']:.1f} tok/s, auto / ar {pooled['ddtree@auto'] / pooled['ar']:.3f}"
     )
 

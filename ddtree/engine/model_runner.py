@@ -23,6 +23,7 @@ from ddtree.config import EngineConfig
 from ddtree.engine.memory import CacheConfig, KVPlan, StepModel, plan_pool, pool_bytes, pool_layouts
 from ddtree.engine.round_shapes import RoundShapes
 from ddtree.engine.step_channel import StepChannel, close_channel, replicated
+from ddtree.model import invariance
 from ddtree.model.capture import compile_forward, mark_static, tree_mask, upload
 from ddtree.model.forward import Float32Linear, TargetForward
 from ddtree.model.invariance import ExactRows
@@ -55,6 +56,8 @@ class ModelRunner:
         self.device = next(target.parameters()).device
         self.dtype = next(target.parameters()).dtype
         self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        if self.dtype in (torch.bfloat16, torch.float16):  # where rows may be exact (``exact_rows``)
+            invariance.install(target)
         self.forward = TargetForward(target, None if channel is None else channel.tp)
         self.head_floor_rows = head_floor_rows(self.device, self.lm_head.weight)
         self.drafter, self.draft_head, self.draft_head_bias = draft_parts(drafter, self.lm_head, draft_dtype)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 from torch.overrides import TorchFunctionMode
 
+from ddtree.model import invariance
 from ddtree.model.attention import attend, attend_latent, fold_heads
 from ddtree.model.invariance import ExactRows
 from ddtree.model.kv_cache import CacheWrite, KVLayout
@@ -146,7 +147,7 @@ class TargetForward:
         GQA targets ignore it. ``exact``: rows computed batch-invariantly (``ddtree.model.invariance``)."""
         if exact is None:
             return self.layers_forward(ids, positions, write, mask, feature_layers, absorbed, None)
-        with exact.linear():
+        with invariance.active(exact):  # the target's linears, routed by ``invariance.install``
             return self.layers_forward(ids, positions, write, mask, feature_layers, absorbed, exact)
 
     def layers_forward(

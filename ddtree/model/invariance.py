@@ -25,10 +25,14 @@ outside the probed sizes, and their attention once more in float64.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import types
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 # Call sizes the probe tries: every size to 40, then around each power of two to 256 (where kernels switch
@@ -55,7 +59,7 @@ REGIMES: dict[tuple, RowRegime] = {}  # (device type, dtype, weight shape, bias)
 
 def regime(weight: torch.Tensor, bias: torch.Tensor | None) -> RowRegime:
     """This kernel's regime for ``weight``'s shape, measured at its first exact call (``probe``)."""
-    key = (weight.device.type, weight.dtype, tuple(weight.shape), bias is not None)
+    key = (weight.device.type, weight.dtype, weight.shape, bias is not None)
     if key not in REGIMES:
         REGIMES[key] = probe(weight, bias)
     return REGIMES[key]
@@ -86,25 +90,47 @@ def probe(weight: torch.Tensor, bias: torch.Tensor | None) -> RowRegime:
 
 
 def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: RowRegime):
-    """``F.linear`` of x [..., K] -> [..., N] in calls of ``rows.lo`` to ``rows.hi`` rows."""
+    """``F.linear`` of x [..., K] -> [..., N] in calls of ``rows.lo`` to ``rows.hi`` rows (a short one padded
+    with copies of its last row, sliced off again)."""
     flat = x.reshape(-1, x.shape[-1])  # [M, K]
+    m = flat.shape[0]
+    if m <= rows.hi:  # one call: a decode step, a tree, a short chunk
+        if m < rows.lo:
+            flat = torch.cat((flat, flat[-1:].expand(rows.lo - m, -1)))
+        return F.linear(flat, weight, bias)[:m].view(*x.shape[:-1], weight.shape[0])
     parts = []
-    for i in range(0, flat.shape[0], rows.hi):
+    for i in range(0, m, rows.hi):
         part = flat[i : i + rows.hi]
         short = rows.lo - part.shape[0]
-        if short > 0:  # padded with copies of its last row, sliced off again
-            part = torch.cat([part, part[-1:].repeat(short, 1)])
+        if short > 0:
+            part = torch.cat((part, part[-1:].expand(short, -1)))
         parts.append(F.linear(part, weight, bias)[: part.shape[0] - max(short, 0)])
     return torch.cat(parts).view(*x.shape[:-1], weight.shape[0])
 
 
-class InvariantLinear(TorchFunctionMode):
-    """Every ``F.linear`` inside gives the exact rows the bits they would get alone.
+def invariant_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor, batch: int
+) -> torch.Tensor:
+    """``F.linear`` that gives the batch's rows ``rows`` [E] the bits they would get alone.
 
     A call whose size is inside the weight's regime runs as it is. Otherwise an input whose leading
-    dimension is the batch ([B, T, K]) runs as usual, then the ``rows``' share is recomputed in the regime's
+    dimension is the batch ([B, T, K]) runs as usual, then the rows' share is recomputed in the regime's
     calls and written over it (the other rows keep the one fast call); any other input (the LM head over
     flattened nodes, an MoE expert's routed tokens) runs wholly in such calls."""
+    regime_ = regime(weight, bias)
+    if regime_.lo <= x.numel() // x.shape[-1] <= regime_.hi and x.is_contiguous():
+        return F.linear(x, weight, bias)
+    if x.dim() < 3 or x.shape[0] != batch:
+        return chunked_linear(x, weight, bias, regime_)
+    out = F.linear(x, weight, bias)  # [B, T, N]
+    out[rows] = chunked_linear(x[rows], weight, bias, regime_)
+    return out
+
+
+class InvariantLinear(TorchFunctionMode):
+    """Every ``F.linear`` inside runs as ``invariant_linear`` (for code that calls it directly: the verdicts'
+    LM head, an MoE's experts and router). The mode sees every op, so a target's forward instead reaches
+    its linears through ``install``."""
 
     def __init__(self, rows: torch.Tensor, batch: int) -> None:
         super().__init__()
@@ -114,16 +140,55 @@ class InvariantLinear(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not F.linear:
             return func(*args, **kwargs)
-        x, weight = args[0], args[1]
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
-        rows = regime(weight, bias)
-        if rows.lo <= x.numel() // x.shape[-1] <= rows.hi and x.is_contiguous():
-            return F.linear(x, weight, bias)
-        if x.dim() < 3 or x.shape[0] != self.batch:
-            return chunked_linear(x, weight, bias, rows)
-        out = F.linear(x, weight, bias)  # [B, T, N]
-        out[self.rows] = chunked_linear(x[self.rows], weight, bias, rows)
-        return out
+        return invariant_linear(args[0], args[1], bias, self.rows, self.batch)
+
+
+ACTIVE: list[ExactRows] = []  # the exact rows of the forward now running (``active``), innermost last
+
+
+@contextlib.contextmanager
+def active(exact: ExactRows):
+    """Within, the modules ``install`` routed give ``exact``'s rows their bits alone."""
+    ACTIVE.append(exact)
+    try:
+        yield
+    finally:
+        ACTIVE.pop()
+
+
+def install(model: nn.Module) -> None:
+    """Route ``model``'s linears through ``invariant_linear`` while a forward holds exact rows (``active``):
+    each ``nn.Linear`` gets a forward that checks for them, and each other module with matrices of its own
+    (an MoE's fused experts and router call ``F.linear`` on them; not a norm's vector, not an embedding)
+    runs under ``InvariantLinear`` then. Outside ``active`` they compute what they did. A
+    ``TorchFunctionMode`` over the whole forward did the same at a Python call per op (a seeded c = 1
+    decode ran at 0.51x an unseeded one on the built-in pair). Idempotent (engines may share a model)."""
+    for m in model.modules():
+        if getattr(m, "_exact_routed", False):
+            continue
+        if isinstance(m, nn.Linear):
+            m.forward = types.MethodType(_linear_forward, m)
+        elif not isinstance(m, nn.Embedding) and any(p.dim() > 1 for p in m.parameters(recurse=False)):
+            m.forward = _moded(m.forward)
+        m._exact_routed = True
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if not ACTIVE:
+        return F.linear(x, self.weight, self.bias)
+    return invariant_linear(x, self.weight, self.bias, ACTIVE[-1].rows, ACTIVE[-1].batch)
+
+
+def _moded(forward):
+    @functools.wraps(forward)
+    def wrapped(*args, **kwargs):
+        if not ACTIVE:
+            return forward(*args, **kwargs)
+        with ACTIVE[-1].linear():
+            return forward(*args, **kwargs)
+
+    return wrapped
 
 
 # Score entries an exact attention call holds at once (float64: 256 MiB); a longer prefill's queries go

@@ -216,7 +216,7 @@ def exact_attention(
     group = heads // kv
     # contiguous float64 copies: a strided one (the pool's [B, span, kv, D] read, transposed) made every
     # matmul below copy it again (10 ms against 1.9 ms for 16 decode rows over 320 columns)
-    keys, values = (contiguous64(x) for x in (keys, values))
+    keys, values = contiguous64(keys, "keys"), contiguous64(values, "values")
     chunk = max(1, EXACT_SCORES // max(1, heads * keys.shape[2]))
     parts = []
     for lo in range(0, t, chunk):
@@ -231,9 +231,19 @@ def exact_attention(
     return torch.cat(parts, dim=2).to(q.dtype)
 
 
-def contiguous64(x: torch.Tensor) -> torch.Tensor:
-    """x as a contiguous float64 tensor, in one copy."""
-    return torch.empty(x.shape, dtype=torch.float64, device=x.device).copy_(x)
+SCRATCH: dict[tuple, torch.Tensor] = {}  # (device, slot) -> a float64 buffer, grown to the largest use
+
+
+def contiguous64(x: torch.Tensor, slot: str) -> torch.Tensor:
+    """x as a contiguous float64 tensor, in one copy into ``slot``'s buffer (valid until its next use).
+    Kept, as the cache's read buffers are: a fresh 8 MB tensor a layer (16 rows, 470 columns) went back
+    to the system and faulted its pages in again every layer, the exact path's largest and least steady
+    cost on a CPU."""
+    key, n = (x.device, slot), x.numel()
+    buf = SCRATCH.get(key)
+    if buf is None or buf.numel() < n:
+        buf = SCRATCH[key] = torch.empty(n, dtype=torch.float64, device=x.device)
+    return buf[:n].view(x.shape).copy_(x)
 
 
 def exact_latent_attention(
@@ -251,7 +261,7 @@ def exact_latent_attention(
     e, heads, t, nope = q_nope.shape
     rank = w.shape[2]
     w = w.double()
-    latent = contiguous64(latent)  # [E, S, rank + rope]
+    latent = contiguous64(latent, "keys")  # [E, S, rank + rope]
     chunk = max(1, EXACT_SCORES // max(1, heads * latent.shape[1]))
     parts = []
     for lo in range(0, t, chunk):

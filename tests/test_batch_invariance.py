@@ -166,6 +166,19 @@ def test_a_prefill_positions_attention_is_the_same_in_any_chunking(monkeypatch):
     assert torch.equal(prefill_outputs(keys, values, q, 30, span=112), whole)
 
 
+def test_exact_attention_runs_inside_and_outside_inference_mode_alike():
+    """The float64 copies go to kept buffers; one made under inference mode (an engine's step) must not be
+    the one a call outside it (a training step, a test) writes into."""
+    torch.manual_seed(4)
+    q = torch.randn(2, HEADS, 3, D, dtype=BF16)
+    keys, values = (torch.randn(2, KV, 40, D, dtype=BF16) for _ in range(2))
+    mask = torch.ones(2, 1, 3, 40, dtype=torch.bool)
+    exact = ExactRows(torch.tensor([0, 1]), (0, 1), 2)
+    with torch.inference_mode():
+        inside = exact.attend(None, q, keys, values, mask, D**-0.5)
+    assert torch.equal(exact.attend(None, q, keys, values, mask, D**-0.5), inside)
+
+
 def test_an_sdpa_call_over_the_tree_layout_is_not_its_query_alone():
     """The mutation the tree test must catch: bf16 SDPA over the batch's layout (the fast path) gives some
     node other bits than its query alone, so the float64 path is what the equality above rests on."""

@@ -231,7 +231,7 @@ def exact_attention(
     return torch.cat(parts, dim=2).to(q.dtype)
 
 
-SCRATCH: dict[tuple, torch.Tensor] = {}  # (device, slot) -> a float64 buffer, grown to the largest use
+SCRATCH: dict[tuple, torch.Tensor] = {}  # (device, slot, inference mode) -> a float64 buffer, grown
 
 
 def contiguous64(x: torch.Tensor, slot: str) -> torch.Tensor:
@@ -239,7 +239,8 @@ def contiguous64(x: torch.Tensor, slot: str) -> torch.Tensor:
     Kept, as the cache's read buffers are: a fresh 8 MB tensor a layer (16 rows, 470 columns) went back
     to the system and faulted its pages in again every layer, the exact path's largest and least steady
     cost on a CPU."""
-    key, n = (x.device, slot), x.numel()
+    # a buffer made under inference mode cannot be written outside it: one per mode
+    key, n = (x.device, slot, torch.is_inference_mode_enabled()), x.numel()
     buf = SCRATCH.get(key)
     if buf is None or buf.numel() < n:
         buf = SCRATCH[key] = torch.empty(n, dtype=torch.float64, device=x.device)

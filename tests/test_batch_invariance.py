@@ -166,9 +166,10 @@ def test_a_prefill_positions_attention_is_the_same_in_any_chunking(monkeypatch):
     assert torch.equal(prefill_outputs(keys, values, q, 30, span=112), whole)
 
 
-def test_exact_attention_runs_inside_and_outside_inference_mode_alike():
+def test_exact_attention_runs_inside_and_outside_inference_mode_alike(monkeypatch):
     """The float64 copies go to kept buffers; one made under inference mode (an engine's step) must not be
     the one a call outside it (a training step, a test) writes into."""
+    monkeypatch.setattr(invariance, "SCRATCH", {})  # the first buffers made here, under inference mode
     torch.manual_seed(4)
     q = torch.randn(2, HEADS, 3, D, dtype=BF16)
     keys, values = (torch.randn(2, KV, 40, D, dtype=BF16) for _ in range(2))

@@ -105,7 +105,7 @@ def tree_outputs(parents: list[int], keys, values, q, start: int, span: int) -> 
     for j, path in enumerate(paths_from_parents(parents)):
         mask[2, 0, j, [start + i for i in path]] = True
     k, v, qs = batch_of(keys, span, 2), batch_of(values, span, 2), batch_of(q, n, 2)
-    exact = ExactRows(torch.tensor([2]), (2,), 3)
+    exact = ExactRows(torch.tensor([2]), 3)
     return exact.attend(torch.zeros(3, HEADS, n, D, dtype=BF16), qs, k, v, mask, D**-0.5)[2]
 
 
@@ -116,7 +116,7 @@ def prefill_outputs(keys, values, q, offset: int, span: int) -> torch.Tensor:
     k, v, qs = batch_of(keys, span, 0), batch_of(values, span, 0), batch_of(q, t, 0)
     cols = torch.arange(span)
     mask = (cols <= offset + torch.arange(t)[:, None]).expand(3, 1, t, span)
-    exact = ExactRows(torch.tensor([0]), (0,), 3)
+    exact = ExactRows(torch.tensor([0]), 3)
     return exact.attend(torch.zeros(3, HEADS, t, D, dtype=BF16), qs, k, v, mask, D**-0.5)[0]
 
 
@@ -174,7 +174,7 @@ def test_exact_attention_runs_inside_and_outside_inference_mode_alike(monkeypatc
     q = torch.randn(2, HEADS, 3, D, dtype=BF16)
     keys, values = (torch.randn(2, KV, 40, D, dtype=BF16) for _ in range(2))
     mask = torch.ones(2, 1, 3, 40, dtype=torch.bool)
-    exact = ExactRows(torch.tensor([0, 1]), (0, 1), 2)
+    exact = ExactRows(torch.tensor([0, 1]), 2)
     with torch.inference_mode():
         inside = exact.attend(None, q, keys, values, mask, D**-0.5)
     assert torch.equal(exact.attend(None, q, keys, values, mask, D**-0.5), inside)

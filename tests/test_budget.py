@@ -126,9 +126,9 @@ def test_greedy_auto_equals_plain_decoding(pair):
     assert result.stats.budget == "auto" and len(result.stats.drafted_nodes) == result.stats.rounds
 
 
-def test_a_stretch_of_plain_rounds_leaves_the_drafter_as_if_it_had_drafted_throughout(pair):
-    """The drafter catches up on the skipped rounds' features in one pass: its context cache equals that of
-    a request that drafted every round, and it drafts the same proposals afterwards."""
+def stretched(pair, rounds: int) -> tuple[Engine, Engine]:
+    """Two engines on PROMPTS[2] (60 greedy tokens), prefilled: an auto one after ``rounds`` plain rounds and
+    the drafter pass that follows them, and a budget-8 one that drafts every round (one step in)."""
     target, drafter = pair
     prompt, params = PROMPTS[2], SamplingParams(max_new_tokens=60)
     skipping = Engine(target, drafter, budget="auto")
@@ -137,9 +137,16 @@ def test_a_stretch_of_plain_rounds_leaves_the_drafter_as_if_it_had_drafted_throu
     drafting.add_request(prompt, params)
     skipping.step()  # prefill
     drafting.step()
-    skipping.scheduler.auto_skip = 6  # six plain rounds, then one catch-up pass
-    for _ in range(7):
+    skipping.scheduler.auto_skip = rounds
+    for _ in range(rounds + 1):
         skipping.step()
+    return skipping, drafting
+
+
+def test_a_stretch_of_plain_rounds_leaves_the_drafter_as_if_it_had_drafted_throughout(pair):
+    """The drafter catches up on the skipped rounds' features in one pass: its context cache equals that of
+    a request that drafted every round, and it drafts the same proposals afterwards."""
+    skipping, drafting = stretched(pair, 6)  # six plain rounds, then one catch-up pass
     request = skipping.running[0]
     assert request.stats.drafted_nodes[:6] == [0] * 6 and request.stats.drafted_nodes[6] > 0
     while drafting.running[0].draft_len < request.draft_len:
@@ -157,16 +164,8 @@ def test_a_stretch_longer_than_the_backlog_keeps_only_the_latest_positions_for_t
     and values a drafter that drafted every round holds at its position, and the output is still plain
     greedy decoding's."""
     target, drafter = pair
-    prompt, params = PROMPTS[2], SamplingParams(max_new_tokens=60)
-    skipping = Engine(target, drafter, budget="auto")
-    drafting = Engine(target, drafter, budget=8)
-    skipping.add_request(prompt, params)
-    drafting.add_request(prompt, params)
-    skipping.step()  # prefill
-    drafting.step()
-    skipping.scheduler.auto_skip = 30
-    for _ in range(31):
-        skipping.step()
+    prompt = PROMPTS[2]
+    skipping, drafting = stretched(pair, 30)
     request = skipping.running[0]
     backlog = DRAFT_BACKLOG * drafter.block_size
     assert request.draft_skipped == 30 - backlog and request.draft_gap == len(prompt)

@@ -56,7 +56,9 @@ class ModelRunner:
         self.device = next(target.parameters()).device
         self.dtype = next(target.parameters()).dtype
         self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-        if self.dtype in (torch.bfloat16, torch.float16):  # where rows may be exact (``exact_rows``)
+        # where rows may be exact (``exact_rows``): in float32 a row's company moves its logits ~1e-7
+        self.low_precision = self.dtype in (torch.bfloat16, torch.float16)
+        if self.low_precision:
             invariance.install(target)
         self.forward = TargetForward(target, None if channel is None else channel.tp)
         self.head_floor_rows = head_floor_rows(self.device, self.lm_head.weight)
@@ -193,10 +195,10 @@ class ModelRunner:
         company moves its logits in the last bits only (~1e-7), so a seeded sample flips only at a CDF
         tie that close (none seen: ``test_seeded_equality.py``); bf16's 2^-8 flips one within 48 tokens
         for every prompt measured, so there the exact path pays for itself (``model.invariance``)."""
-        if not exact or self.dtype not in (torch.bfloat16, torch.float16):
+        if not exact or not self.low_precision:
             return None
         rows = torch.tensor(exact, dtype=torch.int64).to(self.device, non_blocking=True)
-        return ExactRows(rows, exact, batch)
+        return ExactRows(rows, batch)
 
     @replicated(deferred=True)
     def pack(

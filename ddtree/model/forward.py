@@ -239,7 +239,7 @@ class TargetForward:
         latent = write.write_latent(i, new)  # [B, S, rank + rope]
         w = attn.kv_b_proj.weight.view(heads, nope + self.v_dim, rank)  # [heads, nope + v, rank]
         if exact is not None and exact.whole:
-            out = torch.empty(b, heads, t, self.v_dim, dtype=h.dtype, device=h.device)
+            out = None  # the exact pass below computes every row
         elif absorbed:
             q_lat = torch.matmul(q_nope, w[:, :nope])  # [B, heads, T, rank]: W_UK^T q_nope
             out = attend_latent(torch.cat((q_lat, q_rot), dim=-1), latent, rank, mask, self.scaling)

@@ -196,6 +196,23 @@ def _moded(forward):
 EXACT_SCORES = 1 << 25
 
 
+def query_chunk(heads: int, span: int) -> int:
+    """Queries per float64 pass, so that its scores hold at most ``EXACT_SCORES`` entries."""
+    return max(1, EXACT_SCORES // max(1, heads * span))
+
+
+def attend64(
+    q: torch.Tensor,  # [E, kv, R, D] float64: query rows (a KV head's queries, its heads folded in)
+    keys: torch.Tensor,  # [E, kv, S, D] float64
+    values: torch.Tensor,  # [E, kv, S, Dv] float64
+    seen: torch.Tensor,  # bool, broadcast to [E, kv, R, S]: True = attend
+    scale: float,
+) -> torch.Tensor:
+    """Masked softmax attention in float64, [E, kv, R, Dv]: the one computation both exact forms run."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    return torch.matmul(torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1), values)
+
+
 def exact_attention(
     q: torch.Tensor,  # [E, heads, T, D]
     keys: torch.Tensor,  # [E, kv_heads, S, D]
@@ -217,17 +234,15 @@ def exact_attention(
     # contiguous float64 copies: a strided one (the pool's [B, span, kv, D] read, transposed) made every
     # matmul below copy it again (10 ms against 1.9 ms for 16 decode rows over 320 columns)
     keys, values = contiguous64(keys, "keys"), contiguous64(values, "values")
-    chunk = max(1, EXACT_SCORES // max(1, heads * keys.shape[2]))
+    chunk = query_chunk(heads, keys.shape[2])
     parts = []
     for lo in range(0, t, chunk):
         qc = q[:, :, lo : lo + chunk].double()  # [E, heads, C, D]
         c = qc.shape[2]
-        # the heads sharing a KV head fold into its query rows: [E, kv, group * C, D]
-        scores = torch.matmul(qc.reshape(e, kv, group * c, d), keys.transpose(-1, -2)) * scale
-        seen = mask[:, :, lo : lo + chunk, None].expand(e, 1, c, group, -1)  # [E, 1, C, group, S]
-        scores = scores.view(e, kv, group, c, -1).masked_fill(~seen.transpose(2, 3), float("-inf"))
-        probs = torch.softmax(scores.view(e, kv, group * c, -1), dim=-1)
-        parts.append(torch.matmul(probs, values).view(e, heads, c, -1))  # [E, heads, C, Dv]
+        # the heads sharing a KV head fold into its query rows: [E, kv, group * C, D], row g * C + i
+        seen = mask[:, :, None, lo : lo + chunk].expand(e, 1, group, c, -1).reshape(e, 1, group * c, -1)
+        out = attend64(qc.reshape(e, kv, group * c, d), keys, values, seen, scale)
+        parts.append(out.view(e, heads, c, -1))  # [E, heads, C, Dv]
     return torch.cat(parts, dim=2).to(q.dtype)
 
 
@@ -262,17 +277,16 @@ def exact_latent_attention(
     e, heads, t, nope = q_nope.shape
     rank = w.shape[2]
     w = w.double()
-    latent = contiguous64(latent, "keys")  # [E, S, rank + rope]
-    chunk = max(1, EXACT_SCORES // max(1, heads * latent.shape[1]))
+    latent = contiguous64(latent, "keys")[:, None]  # [E, 1, S, rank + rope]: one KV head
+    chunk = query_chunk(heads, latent.shape[2])
     parts = []
     for lo in range(0, t, chunk):
         q_lat = torch.matmul(q_nope[:, :, lo : lo + chunk].double(), w[:, :nope])  # [E, heads, C, rank]
         q = torch.cat((q_lat, q_rot[:, :, lo : lo + chunk].double()), dim=-1)  # [E, heads, C, rank + rope]
         c = q.shape[2]
-        scores = torch.matmul(q.reshape(e, heads * c, -1), latent.transpose(1, 2)) * scale  # [E, heads*C, S]
-        seen = mask[:, :, lo : lo + chunk].expand(e, heads, c, -1).reshape(e, heads * c, -1)
-        probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
-        out = torch.matmul(probs, latent[..., :rank]).view(e, heads, c, rank)  # in the latent space
+        seen = mask[:, :, None, lo : lo + chunk].expand(e, 1, heads, c, -1).reshape(e, 1, heads * c, -1)
+        out = attend64(q.reshape(e, 1, heads * c, -1), latent, latent[..., :rank], seen, scale)
+        out = out.view(e, heads, c, rank)  # in the latent space
         parts.append(torch.matmul(out, w[:, nope:].transpose(1, 2)))  # [E, heads, C, v]: through W_UV
     return torch.cat(parts, dim=2).to(q_nope.dtype)
 
@@ -282,7 +296,6 @@ class ExactRows:
     """A forward's exact rows: the linear mode over them and their attention (``exact_attention``)."""
 
     rows: torch.Tensor  # [E]
-    indices: tuple[int, ...]  # the same rows, on the host
     batch: int
 
     def linear(self) -> InvariantLinear:
@@ -291,7 +304,7 @@ class ExactRows:
     @property
     def whole(self) -> bool:
         """Every row of the batch is exact: the batch's own attention call can be skipped."""
-        return len(self.indices) == self.batch
+        return self.rows.shape[0] == self.batch
 
     def attend(
         self,
@@ -312,7 +325,8 @@ class ExactRows:
 
     def attend_latent(
         self,
-        out: torch.Tensor,  # [B, heads, T, v]: the batch's MLA attention, the exact rows' part overwritten
+        out: torch.Tensor | None,  # [B, heads, T, v]: the batch's MLA attention, exact rows overwritten;
+        # None when ``whole``
         q_nope: torch.Tensor,  # [B, heads, T, nope]
         q_rot: torch.Tensor,  # [B, heads, T, rope]
         latent: torch.Tensor,  # [B, S, rank + rope]
@@ -321,6 +335,8 @@ class ExactRows:
         scale: float,
     ) -> torch.Tensor:
         """MLA's exact rows again (``exact_latent_attention``), in a prefill and a verify round alike."""
+        if out is None:
+            return exact_latent_attention(q_nope, q_rot, latent, w, mask, scale)
         r = self.rows
         out[r] = exact_latent_attention(q_nope[r], q_rot[r], latent[r], w, mask[r], scale)
         return out

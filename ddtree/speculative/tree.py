@@ -329,17 +329,15 @@ def beam_tree(
     """
     b, device, n, width = vals.shape[0], vals.device, plan.shape.nodes, plan.shape.width
     vals64 = vals.double()
-    cost = torch.zeros(b, 1, dtype=torch.float64, device=device)  # -score; the root's is 0
-    valid = torch.ones(b, 1, dtype=torch.bool, device=device)
-    levels = []  # per depth: cost, valid, parent slot, token [B, W_d]
+    cost = torch.zeros(b, 1, dtype=torch.float64, device=device)  # -score (NaN: no prefix); the root's 0
+    levels = []  # per depth: cost, parent slot, token [B, W_d]
     nan = torch.full((), float("nan"), dtype=torch.float64, device=device)  # a fill: no upload
     for d, (p_d, r_d) in enumerate(plan.pairs):  # [P_d] pairs whose parent slot exists
         cand = cost.index_select(1, p_d) - vals64[:, d].index_select(1, r_d)  # [B, P_d] = -(score + logp)
-        ok = valid.index_select(1, p_d) & (r_d[None] < allowed[:, d : d + 1])  # [B, P_d]
-        order = torch.where(ok, cand, nan).sort(dim=1, stable=True).indices[:, :width]  # [B, W_d]
-        cost, valid = cand.gather(1, order), ok.gather(1, order)
-        rank = torch.take(r_d, order)
-        levels.append((cost, valid, torch.take(p_d, order), ids[:, d].gather(1, rank)))
+        cand = torch.where(r_d[None] < allowed[:, d : d + 1], cand, nan)  # NaN: past the row's branching
+        order = cand.sort(dim=1, stable=True).indices[:, :width]  # [B, W_d]
+        cost, rank = cand.gather(1, order), torch.take(r_d, order)
+        levels.append((cost, torch.take(p_d, order), ids[:, d].gather(1, rank)))
     return assemble_tree(levels, plan.depth_of, roots, sizes, n)
 
 
@@ -372,20 +370,19 @@ def lattice_tree(
     by_rank = edges[:, : shape.depths].sort(dim=-1, descending=True, stable=True).indices  # [B, L, K, K]
     ranks = torch.arange(k, device=device).expand_as(by_rank)
     edge_rank = torch.empty_like(by_rank).scatter_(-1, by_rank, ranks)  # [B, L, K, K]
-    edges64 = edges[:, : shape.depths].double()
-    cost = torch.zeros(b, 1, dtype=torch.float64, device=device)  # -score; the root's is 0
-    valid = torch.ones(b, 1, dtype=torch.bool, device=device)
-    cand = torch.zeros(b, 1, dtype=torch.int64, device=device)  # each slot's candidate (the root: any row)
-    levels, depth_of = [], []  # per depth: cost, valid, parent slot, token [B, W_d]; depth [W_d]
     nan = torch.full((), float("nan"), dtype=torch.float64, device=device)  # a fill: no upload
+    # Each edge's cost (-log-prob), NaN past its parent's cap: once for every depth, not per depth.
+    capped = edge_rank < allowed[:, : shape.depths, None, None]  # [B, L, K, K]
+    edge_cost = torch.where(capped, -edges[:, : shape.depths].double(), nan)  # [B, L, K, K]
+    cost = torch.zeros(b, 1, dtype=torch.float64, device=device)  # -score (NaN: no prefix); the root's 0
+    cand = torch.zeros(b, 1, dtype=torch.int64, device=device)  # each slot's candidate (the root: any row)
+    levels, depth_of = [], []  # per depth: cost, parent slot, token [B, W_d]; depth [W_d]
     for d in range(shape.depths):
         rows = cand[:, :, None].expand(-1, -1, k)  # [B, S, K]: each slot's row of successors
-        child = (cost[:, :, None] - edges64[:, d].gather(1, rows)).flatten(1)  # [B, S * K], slot-major
-        cap = allowed[:, d, None, None]  # [B, 1, 1]
-        ok = (valid[:, :, None] & (edge_rank[:, d].gather(1, rows) < cap)).flatten(1)  # [B, S * K]
-        order = torch.where(ok, child, nan).sort(dim=1, stable=True).indices[:, :width]  # [B, W_d]
-        cost, valid, cand = child.gather(1, order), ok.gather(1, order), order % k
-        levels.append((cost, valid, order // k, ids[:, d].gather(1, cand)))
+        child = (cost[:, :, None] + edge_cost[:, d].gather(1, rows)).flatten(1)  # [B, S * K], slot-major
+        order = child.sort(dim=1, stable=True).indices[:, :width]  # [B, W_d]
+        cost, cand = child.gather(1, order), order % k
+        levels.append((cost, order // k, ids[:, d].gather(1, cand)))
         depth_of.append(torch.full((order.shape[1],), d + 1, dtype=torch.int64, device=device))
     return assemble_tree(levels, torch.cat(depth_of), roots, sizes, shape.nodes)
 
@@ -397,25 +394,24 @@ def assemble_tree(
     sizes: torch.Tensor,
     n: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A beam's trees [B, n] from its levels (per depth: cost, valid, parent slot, token [B, W_d], each
-    depth in its pop order; ``depth_of`` [T] every level entry's depth): the best ``sizes_b - 1`` entries
-    over the union of depths by cost (ties: the shallower, then the earlier in its depth), in pop order."""
+    """A beam's trees [B, n] from its levels (per depth: cost (NaN: no prefix), parent slot, token
+    [B, W_d], each depth in its pop order; ``depth_of`` [T] every level entry's depth): the best
+    ``sizes_b - 1`` entries over the union of depths by cost (ties: the shallower, then the earlier in its
+    depth), in pop order."""
     b, device = roots.shape[0], roots.device
-    nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
     costs = torch.cat([lv[0] for lv in levels], dim=1)  # [B, T] depth-major, each depth in pop order
-    alive = torch.cat([lv[1] for lv in levels], dim=1)
-    order = torch.where(alive, costs, nan).sort(dim=1, stable=True).indices[:, : n - 1]  # [B, m]
+    order = costs.sort(dim=1, stable=True).indices[:, : n - 1]  # [B, m]
     m = order.shape[1]  # n - 1, or fewer where the beam holds fewer entries (a tiny vocabulary)
     # Global node index of every level entry (1 + its place in pop order; 0 if not in the tree).
     node_of = torch.zeros_like(costs, dtype=torch.int64)
     node_of.scatter_(1, order, torch.arange(1, m + 1, device=device).expand(b, -1))
     widths = [lv[0].shape[1] for lv in levels]
     parents, start = [torch.zeros_like(levels[0][2])], 0  # depth 1's parent is the root
-    for (_, _, slot, _), width_prev in zip(levels[1:], widths, strict=False):
+    for (_, slot, _), width_prev in zip(levels[1:], widths, strict=False):
         parents.append(node_of[:, start : start + width_prev].gather(1, slot))
         start += width_prev
     padding = torch.arange(1, m + 1, device=device)[None] >= sizes[:, None]
-    node_tokens = torch.cat([lv[3] for lv in levels], dim=1).gather(1, order).masked_fill(padding, 0)
+    node_tokens = torch.cat([lv[2] for lv in levels], dim=1).gather(1, order).masked_fill(padding, 0)
     node_depths = torch.take(depth_of, order).masked_fill(padding, 0)
     node_parents = torch.cat(parents, dim=1).gather(1, order).masked_fill(padding, 0)
     node_logw = (-costs.gather(1, order)).float().masked_fill(padding, 0.0)

@@ -10,6 +10,11 @@ whether the target's next token equals the drafter's likeliest first token is ex
 have been accepted, greedy or sampled. Stretches double while probes fail (1, 2, 4, ...), and may grow until
 probes cost at most ``PROBE_SHARE`` of the plain rounds between them, so a drafter that never pays costs a
 few percent, not a multiple.
+
+While drafting goes on, a row whose chosen nodes are expected to bring fewer tokens than its row of the
+drafter pass costs (at the round's tokens per second) rests alone (``Request.auto_rest``): it skips the
+drafter pass for a round, then 2, 4, ... while its probes keep saying so, so a batch mixing rows the drafter
+serves (greedy, code) with rows it does not (T = 1 chat) drafts for the former only.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -58,6 +64,7 @@ class AutoRound:
     auto: list[int] = field(default_factory=list)  # rows with budget "auto"
     widths: dict[int, int] = field(default_factory=dict)  # decided: auto rows' drafted nodes, by row
     skip: int | None = None  # decided: plain rounds the auto rows take now (None: no new stretch)
+    rests: dict[int, int] = field(default_factory=dict)  # decided: rows' own plain rounds, by row
 
 
 def kind(r: Request) -> str:
@@ -68,8 +75,15 @@ def kind(r: Request) -> str:
 class AutoBudget:
     """Chooses auto rows' tree sizes from expected tokens per second; learns from every round."""
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, cost_model: CostModel | None) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        cost_model: CostModel | None,
+        timed_draft: Callable[[int], float] | None = None,
+    ) -> None:
         self.runner = runner
+        self.timed_draft = timed_draft  # seconds of a drafter pass over n idle rows (seeds the cost model)
         self.shapes = runner.shapes
         self.scheduler = scheduler  # read only: its auto_skip, plain rounds left for auto rows
         self.cost = cost_model or CostModel()  # measured at the first auto round, then kept current
@@ -156,6 +170,13 @@ class AutoBudget:
         for i, k, w in zip(auto, counts, widths, strict=True):
             sizes[i] = k + 1
             seen.widths[i] = w
+        if seen.skip is None:  # drafting goes on: rows whose drafts bring less than their drafter rows cost
+            # rest alone. A row's nodes may be free in a forward padded to the widest tree, but its row of
+            # the drafter pass is not: worth ``share`` tokens at the round's rate.
+            share = rate * self.cost.draft.per_unit
+            for i, k, g in zip(auto, counts, gains, strict=True):
+                rest = k == 0 or g[:k].sum() < share
+                seen.rests[i] = min(max(2 * rows[i].auto_backoff, 1), AUTO_MAX_BACKOFF) if rest else 0
         return trees.cut(sizes, self.shapes.node_bucket(int(sizes.max(initial=1)))), seen
 
     def _why_plain(self, gains: list[np.ndarray]) -> tuple[str, str]:
@@ -256,3 +277,8 @@ class AutoBudget:
         # a token verified costs at least half what it did in these forwards (without the LM head): the
         # floor under a slope refitted to a few decayed tree rounds among many plain ones
         self.cost.verify.min_per_unit = self.cost.verify.per_unit / 2
+        if self.timed_draft is not None:  # a drafter row's cost: what a row resting alone saves
+            for rows in (1, 4, 1, 4):
+                self.cost.draft.observe(rows, self.timed_draft(rows))
+            # the same floor: at one batch size (a steady load) the slope refits to noise
+            self.cost.draft.min_per_unit = self.cost.draft.per_unit / 2

@@ -250,6 +250,7 @@ class EngineCore:
                     drafted_nodes=[int(m) - 1 for m in trees.sizes],
                     auto_widths={} if seen is None else seen.widths,
                     auto_skip=None if seen is None else seen.skip,
+                    auto_rests={} if seen is None else seen.rests,
                     auto_status=status,
                 )
             )

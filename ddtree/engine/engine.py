@@ -133,7 +133,7 @@ class Engine:
         )
         self.proposer = Proposer(self.runner, config.auto_max_budget)
         self.verifier = Verifier(self.runner, config.accept_threshold_single, config.accept_threshold_acc)
-        self.auto = AutoBudget(self.runner, self.scheduler, cost_model)
+        self.auto = AutoBudget(self.runner, self.scheduler, cost_model, self.proposer.timed_pass)
         self.runner.setup_shapes(config, deepest)
         if config.method == "ddtree":
             self.runner.shapes.check_captured_budget(config.budget)

@@ -86,6 +86,15 @@ class Proposer:
             hidden = self.draft_pass(slots, max(totals), self.shapes.block_tables(rows), fixed=False)
         return hidden[: len(rows), 1:], totals  # [D, block_size - 1, H]
 
+    def timed_pass(self, rows: int) -> float:
+        """Seconds of a drafter pass over ``rows`` idle rows with a block of context each (they write only
+        the scratch column): the auto budget's cost model is seeded with these, as with the target's."""
+        t = self.runner.now()
+        with torch.inference_mode():
+            bs = self.runner.drafter.block_size
+            self.draft_pass([None] * rows, bs, self.shapes.block_tables([], rows), fixed=False)
+        return self.runner.now() - t
+
     def draft_logits(self, hidden: torch.Tensor, depth: int) -> torch.Tensor:
         """The draft head over the first ``depth`` drafted positions of ``hidden`` [D, block_size - 1, H]:
         float32 logits [D, depth, V]. The head is the target's LM head (V x H a position), so positions no

@@ -212,6 +212,8 @@ class Scheduler:
             self._trim_backlog(r)
         if i in out.auto_widths:
             r.auto_width = out.auto_widths[i]
+        if i in out.auto_rests:
+            r.auto_rest = r.auto_backoff = out.auto_rests[i]
         if out.auto_status is not None and r.auto:
             r.stats.auto = out.auto_status
         if out.drafted_nodes is not None:
@@ -294,9 +296,11 @@ class Scheduler:
 
     def drafting_this_round(self, rows: list[Request]) -> list[Request]:
         """Of the round's rows, those whose drafter runs: "auto" rows skip it during a stretch of plain
-        rounds."""
-        drafting = [r for r in rows if r.drafts and not (r.auto and self.auto_skip)]
+        rounds, and an auto row alone while it rests (``Request.auto_rest``)."""
+        drafting = [r for r in rows if r.drafts and not (r.auto and (self.auto_skip or r.auto_rest))]
         self.auto_skip = max(self.auto_skip - 1, 0)
+        for r in rows:
+            r.auto_rest = max(r.auto_rest - 1, 0)
         return drafting
 
     def release(self, r: Request) -> None:

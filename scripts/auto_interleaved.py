@@ -9,6 +9,7 @@ emits the same text); in bf16 a seeded row is computed batch-invariantly, a per-
 plain decoding's one-token rounds most, so ``--unseeded`` drops the seeds (each run samples its own text).
 Usage:
 python scripts/auto_interleaved.py [--concurrency 16] [--temperature 1] [--top-p 1] [--passes 4] [--unseeded]
+    [--mixed]
 """
 
 from __future__ import annotations
@@ -31,6 +32,17 @@ class UnseededConfig(BenchConfig):
         return replace(super().sampling(temperature, seed), seed=None)
 
 
+def mixed(config: type[BenchConfig]) -> type[BenchConfig]:
+    """The same requests, those with an even seed greedy (about half: a server's greedy agents beside
+    sampled chat)."""
+
+    class Mixed(config):
+        def sampling(self, temperature: float, seed: int) -> SamplingParams:
+            return super().sampling(0.0 if seed % 2 == 0 else temperature, seed)
+
+    return Mixed
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--concurrency", type=int, default=16)
@@ -40,12 +52,14 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--unseeded", action="store_true")
+    p.add_argument("--mixed", action="store_true", help="half the requests greedy, half at --temperature")
     args = p.parse_args()
     torch.set_num_threads(1)
     lines = BUILTIN_PROMPTS.read_text().splitlines()[: args.prompts]
     engine = Engine.from_pretrained(budget="auto", profile=True, max_num_seqs=args.concurrency)
     ids = [engine.encode(json.loads(line)["prompt"]) for line in lines]
-    cfg = (UnseededConfig if args.unseeded else BenchConfig)(
+    config = UnseededConfig if args.unseeded else BenchConfig
+    cfg = (mixed(config) if args.mixed else config)(
         methods=("ar", "ddtree"),
         budgets=("auto",),
         temperatures=(args.temperature,),
@@ -69,7 +83,8 @@ def main() -> None:
     pooled = {k: tokens / seconds for k, (tokens, seconds) in totals.items()}
     print(
         f"c = {args.concurrency}, T = {args.temperature}, top-p {args.top_p}"
-        f"{', unseeded' if args.unseeded else ''}: ar {pooled['ar']:.1f} tok/s, "
+        f"{', unseeded' if args.unseeded else ''}{', half greedy' if args.mixed else ''}: "
+        f"ar {pooled['ar']:.1f} tok/s, "
         f"auto {pooled['ddtree@auto']:.1f} tok/s, auto / ar {pooled['ddtree@auto'] / pooled['ar']:.3f}"
     )
 

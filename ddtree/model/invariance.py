@@ -116,11 +116,12 @@ def invariant_linear(
     A call whose size is inside the weight's regime runs as it is. Otherwise an input whose leading
     dimension is the batch ([B, T, K]) runs as usual, then the rows' share is recomputed in the regime's
     calls and written over it (the other rows keep the one fast call); any other input (the LM head over
-    flattened nodes, an MoE expert's routed tokens) runs wholly in such calls."""
+    flattened nodes, an MoE expert's routed tokens), or one whose rows are all exact (a seeded decode alone:
+    the usual call would be thrown away), runs wholly in such calls."""
     regime_ = regime(weight, bias)
     if regime_.lo <= x.numel() // x.shape[-1] <= regime_.hi and x.is_contiguous():
         return F.linear(x, weight, bias)
-    if x.dim() < 3 or x.shape[0] != batch:
+    if x.dim() < 3 or x.shape[0] != batch or rows.shape[0] == batch:
         return chunked_linear(x, weight, bias, regime_)
     out = F.linear(x, weight, bias)  # [B, T, N]
     out[rows] = chunked_linear(x[rows], weight, bias, regime_)

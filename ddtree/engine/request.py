@@ -178,7 +178,7 @@ class Request:
     features: list[torch.Tensor] = field(default_factory=list)  # [C_i, F * H] per round not drafted on
     auto_width: int = 8  # budget "auto": drafted nodes chosen last time (sizes the next candidate tree)
     auto_rest: int = 0  # budget "auto": plain rounds this row takes alone, skipping the drafter pass ...
-    auto_backoff: int = 0  # ... and the length of its last such rest (they double while its trees stay empty)
+    auto_backoff: int = 0  # ... and the length of its last such rest (doubling while its drafts do not pay)
     cache_salt: str | None = None  # requests with different salts share no cached block
     grammar: GrammarState | None = None  # structured outputs: where its output is in its grammar
     penalties: RequestPenalties | None = None  # penalties and biases, resolved at admission

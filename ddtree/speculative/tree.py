@@ -406,7 +406,7 @@ def assemble_tree(
     node_of = torch.zeros_like(costs, dtype=torch.int64)
     node_of.scatter_(1, order, torch.arange(1, m + 1, device=device).expand(b, -1))
     widths = [lv[0].shape[1] for lv in levels]
-    parents, start = [torch.zeros_like(levels[0][2])], 0  # depth 1's parent is the root
+    parents, start = [torch.zeros_like(levels[0][1])], 0  # depth 1's parent is the root
     for (_, slot, _), width_prev in zip(levels[1:], widths, strict=False):
         parents.append(node_of[:, start : start + width_prev].gather(1, slot))
         start += width_prev

@@ -197,8 +197,7 @@ class ModelRunner:
         for every prompt measured, so there the exact path pays for itself (``model.invariance``)."""
         if not exact or not self.low_precision:
             return None
-        rows = torch.tensor(exact, dtype=torch.int64).to(self.device, non_blocking=True)
-        return ExactRows(rows, batch)
+        return ExactRows(upload(np.asarray(exact, dtype=np.int64), self.device), batch)  # pinned: no wait
 
     @replicated(deferred=True)
     def pack(

@@ -179,6 +179,9 @@ class Request:
     auto_width: int = 8  # budget "auto": drafted nodes chosen last time (sizes the next candidate tree)
     auto_rest: int = 0  # budget "auto": plain rounds this row takes alone, skipping the drafter pass ...
     auto_backoff: int = 0  # ... and the length of its last such rest (doubling while its drafts do not pay)
+    auto_worth: float = (
+        -1.0
+    )  # moving average of the tokens its chosen nodes were expected to bring (-1: none)
     cache_salt: str | None = None  # requests with different salts share no cached block
     grammar: GrammarState | None = None  # structured outputs: where its output is in its grammar
     penalties: RequestPenalties | None = None  # penalties and biases, resolved at admission
@@ -238,6 +241,7 @@ class StepOutput:
     drafted_nodes: list[int] | None = None  # a round: drafted nodes each row verified
     auto_widths: dict[int, int] = field(default_factory=dict)  # auto rows' chosen widths, by row index
     auto_skip: int | None = None  # plain rounds the auto rows now take (None: no new stretch)
-    auto_rests: dict[int, int] = field(default_factory=dict)  # rows' own plain rounds (0: draft on), by row
+    auto_rests: dict[int, tuple[int, float]] = field(default_factory=dict)  # rows' own plain rounds (0:
+    # draft on) and their drafts' average worth, by row
     auto_status: AutoStatus | None = None  # the auto policy after this round, for its rows' stats
     prompt_logprobs: list[list[TokenLogprobs] | None] | None = None  # a prefill: the chunk's prompt tokens

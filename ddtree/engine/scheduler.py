@@ -213,7 +213,8 @@ class Scheduler:
         if i in out.auto_widths:
             r.auto_width = out.auto_widths[i]
         if i in out.auto_rests:
-            r.auto_rest = r.auto_backoff = out.auto_rests[i]
+            r.auto_rest, r.auto_worth = out.auto_rests[i]
+            r.auto_backoff = r.auto_rest
         if out.auto_status is not None and r.auto:
             r.stats.auto = out.auto_status
         if out.drafted_nodes is not None:

@@ -115,7 +115,7 @@ class AutoBudget:
         the choice read from the device (the round's extra device->host copies, for auto rows only) and
         decided (the auto rows' widths, a stretch of plain rounds), for the scheduler to apply."""
         if not (self._costs_measured or self.cost.frozen):
-            self._measure_costs()
+            self._measure_costs(len(rows), max(r.start for r in rows) + 1)
         logw = trees.logw.cpu().numpy()  # [B, N]
         ids = torch.stack((trees.tokens, trees.parents)).cpu().numpy()  # [2, B, N]
         sizes = trees.sizes.copy()
@@ -283,16 +283,18 @@ class AutoBudget:
             return
         self.cost.observe(verified_tokens, verify_seconds, draft_rows, draft_seconds, round_seconds)
 
-    def _measure_costs(self) -> None:
-        """Seed the cost model with a few timed forwards (they write only the scratch block)."""
+    def _measure_costs(self, rows: int, context: int) -> None:
+        """Seed the cost model with a few timed forwards of this round's rows and context (they write only
+        the scratch block). Seeded with one row, a plain round of 16 rows looked 4-5x cheaper than it was
+        (9 against 37 ms), and the first rounds of a batch stopped drafting at 2x plain decoding's speed."""
         self._costs_measured = self._seeding = True
-        for tokens in (1, 8, 32, 8, 1, 32):
-            self.cost.verify.observe(tokens, self.runner.timed_forward(tokens))
+        for width in (1, 8, 16, 8, 1, 16):
+            self.cost.verify.observe(rows * width, self.runner.timed_forward(rows, width, context))
         # a token verified costs at least half what it did in these forwards (without the LM head): the
         # floor under a slope refitted to a few decayed tree rounds among many plain ones
         self.cost.verify.min_per_unit = self.cost.verify.per_unit / 2
         if self.timed_draft is not None:  # a drafter row's cost: what a row resting alone saves
-            for rows in (1, 4, 1, 4):
-                self.cost.draft.observe(rows, self.timed_draft(rows))
+            for n in (1, max(rows, 4), 1, max(rows, 4)):
+                self.cost.draft.observe(n, self.timed_draft(n))
             # the same floor: at one batch size (a steady load) the slope refits to noise
             self.cost.draft.min_per_unit = self.cost.draft.per_unit / 2

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ddtree import Engine, SamplingParams
 from ddtree.bench.prompts import BUILTIN_PROMPTS
 from ddtree.model import invariance
-from ddtree.model.invariance import ExactRows, InvariantLinear, RowRegime, probe
+from ddtree.model.invariance import ExactRows, RowRegime, probe
 from ddtree.model.precision import fast_low_precision
 from tests.conftest import moe_drafter, tiny_moe_target
 
@@ -41,7 +41,7 @@ def test_an_exact_rows_linear_outputs_are_its_bits_alone_at_any_batch(k):
         (300, 1, [7]),
     ]:
         x = torch.randn(b, t, k, dtype=BF16)
-        with InvariantLinear(torch.tensor(rows), b):
+        with ExactRows(torch.tensor(rows), b).linear():
             out = F.linear(x, weight)  # [B, T, 256]
             flat = F.linear(x.reshape(-1, k), weight)  # [B * T, 256]: wholly chunked
         for r in rows:

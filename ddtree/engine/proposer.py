@@ -89,10 +89,10 @@ class Proposer:
     def timed_pass(self, rows: int) -> float:
         """Seconds of a drafter pass over ``rows`` idle rows with a block of context each (they write only
         the scratch column): the auto budget's cost model is seeded with these, as with the target's."""
+        bs, tables = self.runner.drafter.block_size, self.shapes.block_tables([], rows)
         t = self.runner.now()
         with torch.inference_mode():
-            bs = self.runner.drafter.block_size
-            self.draft_pass([None] * rows, bs, self.shapes.block_tables([], rows), fixed=False)
+            self.draft_pass([None] * rows, bs, tables, fixed=False)
         return self.runner.now() - t
 
     def draft_logits(self, hidden: torch.Tensor, depth: int) -> torch.Tensor:

@@ -179,9 +179,7 @@ class Request:
     auto_width: int = 8  # budget "auto": drafted nodes chosen last time (sizes the next candidate tree)
     auto_rest: int = 0  # budget "auto": plain rounds this row takes alone, skipping the drafter pass ...
     auto_backoff: int = 0  # ... and the length of its last such rest (doubling while its drafts do not pay)
-    auto_worth: float = (
-        -1.0
-    )  # moving average of the tokens its chosen nodes were expected to bring (-1: none)
+    auto_worth: float = -1.0  # moving average of the tokens its drafts were expected to bring (-1: none)
     cache_salt: str | None = None  # requests with different salts share no cached block
     grammar: GrammarState | None = None  # structured outputs: where its output is in its grammar
     penalties: RequestPenalties | None = None  # penalties and biases, resolved at admission

@@ -109,9 +109,9 @@ def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def invariant_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor, batch: int
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, exact: ExactRows
 ) -> torch.Tensor:
-    """``F.linear`` that gives the batch's rows ``rows`` [E] the bits they would get alone.
+    """``F.linear`` that gives the batch's exact rows the bits they would get alone.
 
     A call whose size is inside the weight's regime runs as it is. Otherwise an input whose leading
     dimension is the batch ([B, T, K]) runs as usual, then the rows' share is recomputed in the regime's
@@ -121,10 +121,10 @@ def invariant_linear(
     regime_ = regime(weight, bias)
     if regime_.lo <= x.numel() // x.shape[-1] <= regime_.hi and x.is_contiguous():
         return F.linear(x, weight, bias)
-    if x.dim() < 3 or x.shape[0] != batch or rows.shape[0] == batch:
+    if x.dim() < 3 or x.shape[0] != exact.batch or exact.whole:
         return chunked_linear(x, weight, bias, regime_)
     out = F.linear(x, weight, bias)  # [B, T, N]
-    out[rows] = chunked_linear(x[rows], weight, bias, regime_)
+    out[exact.rows] = chunked_linear(x[exact.rows], weight, bias, regime_)
     return out
 
 
@@ -133,16 +133,16 @@ class InvariantLinear(TorchFunctionMode):
     LM head, an MoE's experts and router). The mode sees every op, so a target's forward instead reaches
     its linears through ``install``."""
 
-    def __init__(self, rows: torch.Tensor, batch: int) -> None:
+    def __init__(self, exact: ExactRows) -> None:
         super().__init__()
-        self.rows, self.batch = rows, batch  # rows: [E] indices into the batch
+        self.exact = exact
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not F.linear:
             return func(*args, **kwargs)
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
-        return invariant_linear(args[0], args[1], bias, self.rows, self.batch)
+        return invariant_linear(args[0], args[1], bias, self.exact)
 
 
 ACTIVE: list[ExactRows] = []  # the exact rows of the forward now running (``active``), innermost last
@@ -178,7 +178,7 @@ def install(model: nn.Module) -> None:
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if not ACTIVE:
         return F.linear(x, self.weight, self.bias)
-    return invariant_linear(x, self.weight, self.bias, ACTIVE[-1].rows, ACTIVE[-1].batch)
+    return invariant_linear(x, self.weight, self.bias, ACTIVE[-1])
 
 
 def _moded(forward):
@@ -300,11 +300,11 @@ class ExactRows:
     batch: int
 
     def linear(self) -> InvariantLinear:
-        return InvariantLinear(self.rows, self.batch)
+        return InvariantLinear(self)
 
     @property
     def whole(self) -> bool:
-        """Every row of the batch is exact: the batch's own attention call can be skipped."""
+        """Every row of the batch is exact: the batch's own linear and attention calls can be skipped."""
         return self.rows.shape[0] == self.batch
 
     def attend(

@@ -22,6 +22,8 @@ from ddtree.engine import Engine
 from ddtree.request.params import SamplingParams, StructuredOutputs
 from ddtree.server import ServerConfig, create_app
 from ddtree.speculative import coins
+from ddtree.speculative.sampling import SamplingTensors
+from tests.oracles import filtered_probs_reference
 from tests.server_helpers import ThreadServer
 
 NEW = 40
@@ -60,8 +62,10 @@ def assert_same_or_ties(
     t = next(i for i, (a, b) in enumerate(zip(ar, got, strict=False)) if a != b)
     ids = torch.tensor([engine.encode(prompt) + ar[:t]])
     with torch.no_grad():
-        logits = engine.target(input_ids=ids).logits[0, -1].double()
-    probs = torch.softmax(logits / sp.temperature, dim=-1)
+        logits = engine.target(input_ids=ids).logits[0, -1].float()
+    # the request's temperature, top-k, top-p and min-p by the sort-based reference (penalties and
+    # grammar masks are not applied: a tie under those settings would be reported against the raw law)
+    probs = filtered_probs_reference(logits[None, None], SamplingTensors.from_params([sp]))[0, 0].double()
     cdf = probs.cumsum(0)
     coin = float(coins.coins_at(torch.tensor(coins.key_of(sp.seed)), torch.tensor(t)))
     gap = float((cdf - coin).abs().min())

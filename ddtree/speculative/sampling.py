@@ -122,6 +122,8 @@ class TargetLaw:
     # [S] int64, eager calls of a batch with greedy rows: only these rows are filtered (at a real vocabulary
     # the filters cost several times the argmax); None (a graph's fixed shapes): every row is
     sampled_rows: torch.Tensor | None = None
+    # whether any row may be greedy (host): a bucket's graph serves any mix, so it is True there
+    any_greedy: bool = True
 
     @classmethod
     def of(
@@ -147,7 +149,8 @@ class TargetLaw:
         else:
             sampling = SamplingTensors.from_params([p for p in params if not p.greedy], device)
             rows = upload(np.flatnonzero(~greedy), device) if greedy.any() else None  # [S]
-        return cls(upload(greedy, device), sampling, coins, finals, *thresholds, rows)
+        mixed = bool(greedy.any()) or bool(every_filter)
+        return cls(upload(greedy, device), sampling, coins, finals, *thresholds, rows, mixed)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """SGLang's rule: each row's law at these nodes, logits [B, M, V] -> float32 [B, M, V] (greedy rows:
@@ -163,11 +166,13 @@ class TargetLaw:
     def emit(self, logits: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
         """The engine's rule: the token each row emits at these nodes, logits [B, M, V] at coins [B, M] ->
         [B, M]."""
-        argmax, rows = logits.argmax(dim=-1), self.sampled_rows
+        rows = self.sampled_rows
         if rows is None:
             sampled = inverse_cdf(filtered_probs(logits, self.sampling), coins.float())
-            return torch.where(self.greedy[:, None], argmax, sampled)
-        return argmax.index_copy(
+            if not self.any_greedy:  # an all-sampled batch: no argmax over [B, M, V] to throw away
+                return sampled
+            return torch.where(self.greedy[:, None], logits.argmax(dim=-1), sampled)
+        return logits.argmax(dim=-1).index_copy(
             0, rows, inverse_cdf(filtered_probs(logits[rows], self.sampling), coins[rows].float())
         )
 
@@ -244,16 +249,23 @@ def inverse_cdf(weights: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
     """First index whose running sum of positive weights exceeds coin * total; -1 if none is positive.
 
     When float rounding leaves the running sum at or below coin * total, the last positive index is
-    taken (as flashinfer's sampler does). weights [..., V] need not be normalised; coins [...] in [0, 1).
+    taken (as flashinfer's sampler does). weights [..., V] need not be normalised (no NaN; entries
+    <= 0 count as 0); coins [...] in [0, 1).
+
+    A running sum of non-negative weights never decreases (each partial sum rounds a larger exact sum),
+    and it rises only at a positive weight, so the first index above coin * total is a binary search
+    (``searchsorted``), not a pass over V comparisons and an argmax.
     """
-    positive = weights > 0  # [..., V]
-    w = torch.where(positive, weights, 0.0)  # [..., V]
-    u = coins[..., None] * w.sum(dim=-1, keepdim=True)  # [..., 1]
-    hit = (w.cumsum(dim=-1) > u) & positive  # [..., V]
-    first = hit.int().argmax(dim=-1)  # [...] argmax returns the first maximum
+    w = weights.clamp(min=0)  # [..., V]
+    total = w.sum(dim=-1, keepdim=True)  # [..., 1]
+    running, u = w.cumsum(dim=-1), coins[..., None] * total  # [..., V], [..., 1]
+    common = torch.promote_types(running.dtype, u.dtype)  # compared as ``running > u`` would be
+    first = torch.searchsorted(running.to(common), u.to(common), right=True)[..., 0]  # [...]
     vocab = weights.shape[-1]
-    last = vocab - 1 - positive.flip(-1).int().argmax(dim=-1)  # [...]
-    return torch.where(hit.any(dim=-1), first, torch.where(positive.any(dim=-1), last, -1))
+    # the last positive index: sign() is 1 there and 0 elsewhere (float32 holds indices below 2**24)
+    index = torch.arange(vocab, device=w.device, dtype=torch.float32)
+    last = torch.where(total[..., 0] > 0, (w.sign().float() * index).amax(dim=-1).long(), -1)
+    return torch.where(first < vocab, first, last)
 
 
 def walk_tree(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 
 import httpx
@@ -23,10 +24,11 @@ def real_dirs(tmp_path_factory):
 
 
 def block_bytes(target_dir, layers: int, drafter_layers: int = 1, block_size: int = 16) -> int:
-    """Bytes of one KV block of the real-size pair (8 KV heads of 128), at the dtype "auto" picks here."""
+    """Bytes of one KV block of the real-size pair (8 KV heads of 128): on a CPU the pools hold keys and
+    values in float32 whatever "auto" computes in (bf16 or float32; ``kv_cache.pool_dtype``)."""
     config = json.loads((target_dir / "config.json").read_text())
-    itemsize = resolve_dtype("auto", config, "cpu").itemsize
-    return block_size * (layers + drafter_layers) * 2 * 8 * 128 * itemsize
+    assert resolve_dtype("auto", config, "cpu") in (torch.bfloat16, torch.float32)
+    return block_size * (layers + drafter_layers) * 2 * 8 * 128 * 4
 
 
 @pytest.mark.slow
@@ -71,7 +73,18 @@ def test_the_real_size_pool_follows_the_budget_and_decodes_like_hf(real_dirs):
         ids = torch.tensor([prompt])
         for _ in range(6):
             ids = torch.cat((ids, engine.target(ids).logits[:, -1].argmax(-1, keepdim=True)), dim=1)
-    assert got == ids[0, len(prompt) :].tolist()
+    hf = ids[0, len(prompt) :].tolist()
+    if got != hf:
+        # HF's bf16 SDPA rounds the attention weights to bf16 before the values; the engine's float32 pool
+        # does not (``kv_cache.pool_dtype``). With random weights the logits are near-flat, so a greedy pick
+        # may then flip, and only at a tie: both picks within two bf16 steps of the top logit there.
+        k = next(j for j, (a, b) in enumerate(zip(got, hf, strict=True)) if a != b)
+        with torch.inference_mode():
+            logits = engine.target(torch.tensor([prompt + got[:k]])).logits[0, -1].float()  # [V]
+        top = logits.max().item()
+        step = 2.0 ** (math.floor(math.log2(abs(top))) - 7)  # one bf16 step at the top logit
+        print(f"token {k}: engine {got[k]}, HF {hf[k]}, logit {logits[got[k]]:.4f}, top {top:.4f}")
+        assert top - logits[got[k]].item() <= 2 * step
 
 
 def test_every_block_comes_back_after_200_requests_with_aborts_and_disconnects(tmp_path):

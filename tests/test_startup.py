@@ -27,7 +27,7 @@ import json, sys, torch
 torch.set_num_threads(1)
 from ddtree.engine import Engine
 from ddtree.engine.memory import StepModel, extrapolated_peak, profile_step
-engine = Engine.from_pretrained(kv_cache_memory="16MiB", max_model_len=2048)
+engine = Engine.from_pretrained(kv_cache_memory="32MiB", max_model_len=2048)
 r = engine.runner
 model = StepModel(r.forward, r.lm_head, r.dtype, r.device, r.drafter, r.block_size)
 shape, reduced = json.loads(sys.argv[1])

@@ -26,7 +26,7 @@ from ddtree import startup
 from ddtree.errors import DDTreeError
 from ddtree.model.capture import tree_mask
 from ddtree.model.forward import TargetForward
-from ddtree.model.kv_cache import KVLayout, PagedKVCache
+from ddtree.model.kv_cache import KVLayout, PagedKVCache, pool_dtype
 from ddtree.speculative.drafter import DFlashDrafter
 
 log = logging.getLogger(__name__)
@@ -219,14 +219,16 @@ class StepModel:
 
 
 def pool_layouts(
-    forward: TargetForward, dtype: torch.dtype, drafter: DFlashDrafter | None
+    forward: TargetForward, dtype: torch.dtype, drafter: DFlashDrafter | None, device: torch.device
 ) -> list[tuple[int, KVLayout, torch.dtype]]:
-    """(layers, what a layer caches per token, dtype) of the target's pool and the drafter's."""
-    layouts = [(len(forward.layers), forward.layout, dtype)]
+    """(layers, what a layer caches per token, dtype) of the target's pool and the drafter's on ``device``
+    (``kv_cache.pool_dtype``)."""
+    layouts = [(len(forward.layers), forward.layout, pool_dtype(forward.layout, dtype, device))]
     if drafter is not None:
         attn = drafter.layers[0].self_attn
         draft_layout = KVLayout.gqa(attn.num_kv_heads, attn.head_dim)
-        layouts.append((len(drafter.layers), draft_layout, next(attn.parameters()).dtype))
+        draft_dtype = pool_dtype(draft_layout, next(attn.parameters()).dtype, device)
+        layouts.append((len(drafter.layers), draft_layout, draft_dtype))
     return layouts
 
 
@@ -367,7 +369,8 @@ def profile_step(
             dropped = (len(feature_layers) - 1) * tokens * hidden_size * dtype.itemsize
             feature_layers = [len(forward.layers) - 1] * len(feature_layers)
     span = width * bs
-    cache = PagedKVCache(len(forward.layers), 1, bs, width, forward.layout, dtype, device)
+    kv_dtype = pool_dtype(forward.layout, dtype, device)
+    cache = PagedKVCache(len(forward.layers), 1, bs, width, forward.layout, kv_dtype, device)
     tables = torch.zeros(measured_rows, width + 1, dtype=torch.int64, device=device)  # [B, W + 1]: block 0
     keys = torch.arange(span, device=device)  # [span]
 

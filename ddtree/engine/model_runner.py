@@ -66,7 +66,7 @@ class ModelRunner:
         # Columns a pass writes after its context; a worker's are rank 0's (its block tables have that width)
         self.draft_block = pool[1] if pool is not None else 0 if drafter is None else drafter.block_size
         self.block_size = cache_config.block_size
-        layouts = pool_layouts(self.forward, self.dtype, self.drafter)
+        layouts = pool_layouts(self.forward, self.dtype, self.drafter, self.device)
         self.kv_cache_bytes_per_token, self.block_bytes = pool_bytes(layouts, self.block_size)
         steps = (max_num_batched_tokens, max_num_seqs, max_nodes)
         plan, self.profiled_activation_bytes = pool[0] if pool else None, None  # the largest step's peak

@@ -90,7 +90,11 @@ def attend(
     mask: torch.Tensor | BlockMask | None,  # [B, 1, T, S] bool (True = attend), a BlockMask, or None
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Attention output [B, heads, T, D] through either backend (``mask``'s type says which)."""
+    """Attention output [B, heads, T, D] in q's dtype through either backend (``mask``'s type says which),
+    computed in the keys' dtype (a pool may hold wider numbers than the model computes in:
+    ``kv_cache.pool_dtype``)."""
+    if q.dtype != keys.dtype:
+        return attend(q.to(keys.dtype), keys, values, mask, scale).to(q.dtype)
     if isinstance(mask, BlockMask):
         return flex(q, keys, values, mask, scale)
     keys, values, gqa = sdpa_operands(keys, values, q.shape[1], mask is not None, q.device.type)

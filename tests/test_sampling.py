@@ -35,6 +35,7 @@ from tests.oracles import (
     target_probs_from_logits,
     tree_sampling_reference,
 )
+from tests.oracles import inverse_cdf as oracle_inverse_cdf
 
 
 def make_tree(parents: list[int], tokens: list[int]) -> tuple[DraftTree, TreeRetrieve]:
@@ -367,6 +368,27 @@ def test_thresholds_outside_unit_interval_are_rejected():
     for bad in [{"threshold_acc": -0.1}, {"threshold_single": float("nan")}, {"threshold_acc": 1.5}]:
         with pytest.raises(DDTreeError, match=r"must be a number in \[0, 1\]"):
             run_kernel(*args, **bad)
+
+
+def test_the_batched_inverse_cdf_is_the_scalar_scan_on_zeros_ties_and_coins_near_one():
+    """``sampling.inverse_cdf`` (a binary search over the running sum) against the oracle's scalar scan:
+    rows with zeros, negative entries, few distinct weights (running sums that equal coin x total
+    exactly), all-zero rows and coins at 0 and just below 1, in [R, V] and [B, M, V] batches."""
+    for seed in range(400):
+        gen = torch.Generator().manual_seed(seed)
+        rows, vocab = (int(torch.randint(1, hi, (1,), generator=gen)) for hi in (6, 12))
+        w = torch.rand(rows, vocab, generator=gen) * (torch.rand(rows, vocab, generator=gen) < 0.6)
+        if seed % 3 == 0:
+            w = (w * 4).round() / 4  # ties: quarters, so running sums hit coin x total exactly
+        if seed % 7 == 0:
+            w = w - 0.3  # non-positive entries count as 0
+        if seed % 11 == 0:
+            w[0] = 0.0  # a row with no mass: -1
+        coins = torch.rand(rows, generator=gen)
+        coins[0] = [0.0, 0.5, 1 - 2**-24][seed % 3]
+        assert torch.equal(sampling_module.inverse_cdf(w, coins), oracle_inverse_cdf(w, coins)), seed
+        batched = sampling_module.inverse_cdf(w.view(1, rows, vocab), coins.view(1, rows))[0]
+        assert torch.equal(batched, oracle_inverse_cdf(w, coins)), seed
 
 
 def test_sample_from_probs_inverse_cdf_rule():

@@ -84,7 +84,13 @@ def test_the_builtin_pair_keeps_drafting_and_equals_ar():
     assert result.token_ids == engine.generate(prompt, params, method="ar").token_ids
     drafted = np.array(result.stats.drafted_nodes) > 0
     assert drafted.mean() >= 0.75 and result.stats.tau > 2.0, result.stats.drafted_nodes
-    assert result.stats.auto.first_draft_acceptance > 0.5
+    auto = result.stats.auto
+    assert auto.plain_rounds == 0 and auto.reason.startswith("drafting")
+    # the drafter's first token is the target's about 0.6 of the time here (0.62-0.65 measured on an idle
+    # machine), counted over the 17-20 rounds auto drafts: the trees it picks follow the machine's timing,
+    # so the rounds, and the count, move (9 of 19 on a loaded CI box). A drafter that does not fit sits
+    # near 0 (test_a_drafter_that_is_never_accepted_...).
+    assert auto.first_draft_acceptance > 0.3
 
 
 def test_tree_acceptance_multiplies_the_calibrated_steps_along_each_path():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -71,6 +72,26 @@ def test_stretches_grow_past_the_doubling_cap_while_a_probe_costs_more_than_two_
     engine.generate(list(range(3, 11)), SamplingParams(max_new_tokens=4))  # its first round probes
     assert engine.auto._auto_backoff == 2 * AUTO_MAX_BACKOFF
     assert engine.scheduler.auto_skip >= 2 * AUTO_MAX_BACKOFF - 3
+
+
+def test_when_drafting_does_not_pay_the_reason_gives_the_measured_acceptance_not_one_rounds_guess():
+    """The built-in pair with a drafter pass priced at 50 ms: auto stops drafting for the cost, and says
+    how often the drafter's first token was the target's over the rounds it drafted, not what one round's
+    tree expected (at T = 0.7 one round's guess read 0.04 where half the first drafts were accepted)."""
+    draft_costs_50ms = CostModel(
+        verify=LinearCost(fixed=1e-3), draft=LinearCost(fixed=5e-2), overhead=LinearCost(), frozen=True
+    )
+    base = Engine.from_pretrained(dtype=torch.float32)
+    engine = Engine(base.target, base.runner.drafter, base.tokenizer, cost_model=draft_costs_50ms)
+    engine.auto.status.drafting = True  # as if a probe had just resumed drafting
+    result = engine.generate("def fibonacci(n):\n    ", SamplingParams(max_new_tokens=64))
+    status = result.stats.auto
+    assert not status.drafting and status.first_drafts >= 4
+    assert status.reason.startswith("drafting does not pay here")
+    said = re.search(r"the drafter's first token was the target's in (\d+) of (\d+) rounds", status.reason)
+    assert said is not None, status.reason  # the counts when it stopped (probes may have added rounds since)
+    accepted, rounds = map(int, said.groups())
+    assert 4 <= rounds <= status.first_drafts and accepted >= 1
 
 
 def test_the_builtin_pair_keeps_drafting_and_equals_ar():

@@ -196,22 +196,25 @@ class AutoBudget:
     def _why_plain(self, gains: list[np.ndarray]) -> tuple[str, str]:
         """The kind and the words of why auto rows run plain rounds now."""
         s = self.status
-        rate = s.first_draft_acceptance
-        if s.first_drafts >= EVIDENCE and rate is not None and rate < RARELY_ACCEPTED:
+        rate = s.first_draft_acceptance if s.first_drafts >= EVIDENCE else None  # trusted once measured
+        counts = f"{s.first_drafts_accepted} of {s.first_drafts}"
+        seen = f"the drafter's first token was the target's in {counts} rounds"
+        if rate is not None and rate < RARELY_ACCEPTED:
             greedy = [accepted for is_greedy, accepted in self._first if is_greedy]
             if len(greedy) >= EVIDENCE and sum(greedy) < RARELY_ACCEPTED * len(greedy):
                 advice = "check that the drafter was trained for this target"
             else:  # sampled rows: the target's own entropy at these settings, not the drafter, is the cause
                 advice = "at these sampling settings the target's next token is rarely the drafter's guess"
-            return "rarely accepted", (
-                f"drafts are rarely accepted (the drafter's first token was the target's in "
-                f"{s.first_drafts_accepted} of {s.first_drafts} rounds): running plain decoding; {advice}"
-            )
-        expected = float(np.mean([g[0] if g.size else 0.0 for g in gains])) if gains else 0.0
+            return "rarely accepted", f"drafts are rarely accepted ({seen}): running plain decoding; {advice}"
+        if rate is not None:  # what was measured, not one round's expectation
+            accepted = seen
+        else:
+            expected = float(np.mean([g[0] if g.size else 0.0 for g in gains])) if gains else 0.0
+            accepted = f"a row's first draft is accepted with probability {expected:.2f}"
         return "does not pay", (
             f"drafting does not pay here (a drafter pass costs {s.draft_ms:.1f} ms, a plain round "
-            f"{s.plain_round_ms:.1f} ms, and a row's first draft is accepted with probability "
-            f"{expected:.2f}): running plain rounds, drafting again when a probe says it pays"
+            f"{s.plain_round_ms:.1f} ms, and {accepted}): running plain rounds, drafting again when a "
+            "probe says it pays"
         )
 
     def _say(self, drafting: bool, kind: str, reason: str) -> None:

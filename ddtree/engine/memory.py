@@ -261,9 +261,10 @@ def plan_pool(
     exist)."""
     tokens, rows, nodes = steps
     bs, elem, forward = model.block_size, model.dtype.itemsize, model.forward
+    gathered = pool_dtype(forward.layout, model.dtype, model.device).itemsize  # what attention reads
 
     def activations(length: int) -> int:
-        column, absorbed = (forward.gathered_bytes_per_column(elem, absorbed=a) for a in (False, True))
+        column, absorbed = (forward.gathered_bytes_per_column(gathered, absorbed=a) for a in (False, True))
         return activation_bytes(
             config, tokens, rows, nodes, request_blocks(length) * bs, elem, column, absorbed
         )
@@ -328,7 +329,8 @@ def extrapolated_peak(
         return None
     # Per column, what a CPU's steps surely hold: the prefill's mask and gathered keys/values (MLA's
     # expanded), the round's rows' masks and gathers (SDPA on a CPU takes GQA without expanding heads).
-    elem, forward = model.dtype.itemsize, model.forward
+    forward = model.forward
+    elem = pool_dtype(forward.layout, model.dtype, model.device).itemsize  # the gathered keys and values
     read = forward.layout.elements_per_token() * elem
     per_column = max(
         tokens + (forward.gathered_bytes_per_column(elem) if forward.mla else read),

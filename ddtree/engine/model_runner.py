@@ -58,6 +58,7 @@ class ModelRunner:
         self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
         # where rows may be exact (``exact_rows``): in float32 a row's company moves its logits ~1e-7
         self.low_precision = self.dtype in (torch.bfloat16, torch.float16)
+        self._exact: tuple[tuple[tuple[int, ...], int], ExactRows] | None = None  # the last exact rows asked
         if self.low_precision:
             invariance.install(target)
         self.forward = TargetForward(target, None if channel is None else channel.tp)
@@ -197,7 +198,12 @@ class ModelRunner:
         for every prompt measured, so there the exact path pays for itself (``model.invariance``)."""
         if not exact or not self.low_precision:
             return None
-        return ExactRows(upload(np.asarray(exact, dtype=np.int64), self.device), batch)  # pinned: no wait
+        # The round's forward and its acceptance ask for the same rows, and a batch keeps them round after
+        # round: one upload serves until they change (the indices are only read)
+        if self._exact is None or self._exact[0] != (exact, batch):
+            rows = upload(np.asarray(exact, dtype=np.int64), self.device)  # pinned: no wait
+            self._exact = ((exact, batch), ExactRows(rows, batch))
+        return self._exact[1]
 
     @replicated(deferred=True)
     def pack(

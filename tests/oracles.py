@@ -7,6 +7,7 @@ sibling running sum is each exact partial sum rounded to float32, which both sid
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -316,3 +317,12 @@ def sample_tree(
     )
     nodes = [x for x in accept_index[0].tolist() if x >= 0]
     return nodes, predicts[nodes].tolist()
+
+
+def assert_bf16_tie(logits: torch.Tensor, picks: list[int], steps: int = 2) -> None:
+    """Every token of ``picks`` lies within ``steps`` bf16 steps (at the top logit's magnitude) of the top
+    of ``logits`` [V]: two greedy picks that differ only by rounding, not by a different computation."""
+    top = logits.max().item()
+    step = 2.0 ** (math.floor(math.log2(abs(top))) - 7)  # one bf16 step at the top logit
+    for token in picks:
+        assert top - logits[token].item() <= steps * step, (token, logits[token].item(), top, step)

@@ -149,8 +149,8 @@ class TargetLaw:
         else:
             sampling = SamplingTensors.from_params([p for p in params if not p.greedy], device)
             rows = upload(np.flatnonzero(~greedy), device) if greedy.any() else None  # [S]
-        mixed = bool(greedy.any()) or bool(every_filter)
-        return cls(upload(greedy, device), sampling, coins, finals, *thresholds, rows, mixed)
+        any_greedy = bool(greedy.any()) or bool(every_filter)  # a graph's law serves any mix
+        return cls(upload(greedy, device), sampling, coins, finals, *thresholds, rows, any_greedy)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """SGLang's rule: each row's law at these nodes, logits [B, M, V] -> float32 [B, M, V] (greedy rows:

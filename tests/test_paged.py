@@ -152,6 +152,31 @@ def test_the_models_context_is_lowered_to_what_the_budget_holds(models, caplog):
         e.add_request(tokens(8), SamplingParams(max_new_tokens=e.max_model_len))
 
 
+@pytest.fixture(scope="module")
+def half_models():
+    """The tiny pair in bf16: on a CPU its pools may hold float32 keys and values (``pool_dtype``)."""
+    target = tiny_target().to(torch.bfloat16)
+    return target, tiny_drafter(target).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_a_float32_pool_never_costs_a_half_precision_model_context(half_models, explicit):
+    """On a CPU a bf16 model's pool holds float32 keys and values (faster attention there) where that
+    fits as long a context as bf16 does; a budget that holds one whole request in bf16 but not in float32
+    gets a bf16 pool and the whole context, not a lowered one or an error."""
+    length = 256 if explicit else half_models[0].config.max_position_embeddings
+    options = {"max_model_len": length} if explicit else {"max_model_len": None}
+    ample = engine(half_models, kv_cache_memory="64MiB", **options)
+    assert ample.runner.cache.dtype == torch.float32 and ample.max_model_len == length
+    wide_request = ample.runner.width * ample.runner.block_bytes  # one request's blocks, in float32
+    tight = engine(half_models, kv_cache_memory=int(0.75 * wide_request), **options)
+    assert tight.runner.cache.dtype == tight.runner.draft_cache.dtype == torch.bfloat16
+    assert tight.max_model_len == length
+    assert tight.runner.block_bytes * 2 == ample.runner.block_bytes
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    assert run(tight, [(PROMPTS[0], params, "ddtree")]) == run(tight, [(PROMPTS[0], params, "ar")])
+
+
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 def test_outputs_do_not_depend_on_the_block_size(models, block_size):
     specs = [

@@ -7,18 +7,20 @@ decides the pool (a real-size largest step takes minutes on a few cores).
 
 The pool is never larger than every running request at ``max_model_len`` needs, and never smaller than one
 such request: a ``max_model_len`` the user set that does not fit is a one-line error naming the flags to
-change; the model's own context is lowered to what fits. ``plan_pool`` plans (and profiles) the pool the
-``ModelRunner`` then allocates.
+change; the model's own context is lowered to what fits. On a CPU the pool holds a half-precision model's
+keys and values in float32 (faster attention, ``kv_cache.pool_dtype``) only where that costs no context.
+``plan_pool`` plans (and profiles) the pool the ``ModelRunner`` then allocates.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -130,6 +132,8 @@ class KVPlan:
     # The memory share (less the activations) decides the pool, not the cap of every request at
     # max_model_len: only then can measured activations change it.
     share_bound: bool = False
+    source: str = ""  # what set the budget, in the flags' words (messages)
+    wide: bool = True  # on a CPU, half-precision keys and values held in float32 (``kv_cache.pool_dtype``)
 
 
 def plan_kv(
@@ -175,14 +179,7 @@ def plan_kv(
             while hi - lo > 1:
                 mid = (lo + hi) // 2
                 lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-            log.warning(
-                "the model's context of %d tokens does not fit the KV cache budget (%s); max_model_len is "
-                "%d (set --max-model-len, --kv-cache-memory or --gpu-memory-utilization to choose)",
-                max_model_len,
-                source,
-                lo,
-            )
-            length = lo
+            length = lo  # plan_pool says so, once the pool's dtype is chosen
         else:
             blocks = max(budget(length), 0) // block_bytes
             raise DDTreeError(
@@ -192,9 +189,8 @@ def plan_kv(
                 "--gpu-memory-utilization, or lower --max-model-len"
             )
     blocks = min(budget(length) // block_bytes, max_num_seqs * request_blocks(length))
-    return KVPlan(
-        blocks + 1, length, cache.kv_cache_memory is None and blocks < max_num_seqs * request_blocks(length)
-    )
+    share_bound = cache.kv_cache_memory is None and blocks < max_num_seqs * request_blocks(length)
+    return KVPlan(blocks + 1, length, share_bound, source)
 
 
 PROFILE_ROWS = 2  # a reduced profile's round runs this many rows, its peak scaled to the real count
@@ -208,7 +204,7 @@ PROFILE_BLOCKS = 128  # the reduced profile's shorter span (blocks; the longer i
 @dataclass(frozen=True)
 class StepModel:
     """What the largest steps run through: the target's forward and LM head, its dtype and device, the
-    drafter (its feature layers) and the pool's block size."""
+    drafter (its feature layers), the pool's block size and whether the pool is wide (``KVPlan.wide``)."""
 
     forward: TargetForward
     lm_head: torch.nn.Module
@@ -216,18 +212,18 @@ class StepModel:
     device: torch.device
     drafter: DFlashDrafter | None
     block_size: int
+    wide: bool = True
 
 
-def pool_layouts(
-    forward: TargetForward, dtype: torch.dtype, drafter: DFlashDrafter | None, device: torch.device
-) -> list[tuple[int, KVLayout, torch.dtype]]:
-    """(layers, what a layer caches per token, dtype) of the target's pool and the drafter's on ``device``
+def pool_layouts(model: StepModel) -> list[tuple[int, KVLayout, torch.dtype]]:
+    """(layers, what a layer caches per token, dtype) of the target's pool and the drafter's
     (``kv_cache.pool_dtype``)."""
-    layouts = [(len(forward.layers), forward.layout, pool_dtype(forward.layout, dtype, device))]
+    forward, drafter, device, wide = model.forward, model.drafter, model.device, model.wide
+    layouts = [(len(forward.layers), forward.layout, pool_dtype(forward.layout, model.dtype, device, wide))]
     if drafter is not None:
         attn = drafter.layers[0].self_attn
         draft_layout = KVLayout.gqa(attn.num_kv_heads, attn.head_dim)
-        draft_dtype = pool_dtype(draft_layout, next(attn.parameters()).dtype, device)
+        draft_dtype = pool_dtype(draft_layout, next(attn.parameters()).dtype, device, wide)
         layouts.append((len(drafter.layers), draft_layout, draft_dtype))
     return layouts
 
@@ -243,16 +239,62 @@ def plan_pool(
     model: StepModel,
     config,
     cache: CacheConfig,
-    block_bytes: int,
     request_blocks: Callable[[int], int],
     steps: tuple[int, int, int],
     max_model_len: int,
     explicit_len: bool,
     profile: bool,
 ) -> tuple[KVPlan, int | None]:
-    """The pool (``plan_kv``) for the largest ``steps`` (prefill tokens, rows, tree nodes) of a target whose
-    HF ``config`` gives its sizes: planned with their estimated activations, then with their measured
-    peak where it may decide the pool; returns the plan and that peak (None when nothing was measured).
+    """The pool (``plan_dtype``) of ``model``'s dtype; on a CPU, of float32 keys and values for a
+    half-precision model (``kv_cache.pool_dtype``: the CPU's attention is faster over them) wherever that
+    holds as long a context as the model's dtype. Where float32 would lower ``max_model_len`` or not fit,
+    the pool holds the model's dtype: a speed-up never costs context. Warns once where the context is
+    lowered."""
+    args = (config, cache, request_blocks, steps, max_model_len, explicit_len, profile)
+    wide, narrow = replace(model, wide=True), replace(model, wide=False)
+    if pool_layouts(wide) == pool_layouts(narrow):  # nothing to widen: a GPU, float32, MLA latents
+        plan, peak = plan_dtype(narrow, *args)
+    else:
+        plan, peak = None, None
+        with contextlib.suppress(DDTreeError):  # the model's dtype, planned next, says why none fits
+            plan, peak = plan_dtype(wide, *args)
+        if plan is None or plan.max_model_len < max_model_len:
+            kept, wide_len = (plan, peak), None if plan is None else plan.max_model_len
+            plan, peak = plan_dtype(narrow, *args)
+            if wide_len is not None and wide_len >= plan.max_model_len:
+                plan, peak = kept
+            else:
+                log.info(
+                    "the KV cache holds keys and values in %s: in float32 (faster attention on a CPU) it "
+                    "would hold %s",
+                    str(model.dtype).removeprefix("torch."),
+                    "no request" if wide_len is None else f"a context of {wide_len} tokens",
+                )
+    if plan.max_model_len < max_model_len:
+        log.warning(
+            "the model's context of %d tokens does not fit the KV cache budget (%s); max_model_len is %d "
+            "(set --max-model-len, --kv-cache-memory or --gpu-memory-utilization to choose)",
+            max_model_len,
+            plan.source,
+            plan.max_model_len,
+        )
+    return plan, peak
+
+
+def plan_dtype(
+    model: StepModel,
+    config,
+    cache: CacheConfig,
+    request_blocks: Callable[[int], int],
+    steps: tuple[int, int, int],
+    max_model_len: int,
+    explicit_len: bool,
+    profile: bool,
+) -> tuple[KVPlan, int | None]:
+    """The pool (``plan_kv``) of ``model``'s pool dtypes for the largest ``steps`` (prefill tokens, rows,
+    tree nodes) of a target whose HF ``config`` gives its sizes: planned with their estimated
+    activations, then with their measured peak where it may decide the pool; returns the plan and that
+    peak (None when nothing was measured).
 
     The measure is vLLM's profiling run: in full on an accelerator (milliseconds there), reduced on a CPU
     (seconds; the full steps take minutes at real size on a few cores) and there only where the share
@@ -261,7 +303,8 @@ def plan_pool(
     exist)."""
     tokens, rows, nodes = steps
     bs, elem, forward = model.block_size, model.dtype.itemsize, model.forward
-    gathered = pool_dtype(forward.layout, model.dtype, model.device).itemsize  # what attention reads
+    gathered = pool_layouts(model)[0][2].itemsize  # what attention reads
+    block_bytes = pool_bytes(pool_layouts(model), bs)[1]
 
     def activations(length: int) -> int:
         column, absorbed = (forward.gathered_bytes_per_column(gathered, absorbed=a) for a in (False, True))
@@ -270,7 +313,7 @@ def plan_pool(
         )
 
     args = (cache, model.device, block_bytes, request_blocks)
-    plan = plan_kv(*args, activations, rows, max_model_len, explicit_len)
+    plan = replace(plan_kv(*args, activations, rows, max_model_len, explicit_len), wide=model.wide)
     measure = model.device.type != "cpu" or plan.share_bound
     if not (measure and profile and cache.kv_cache_memory is None):
         return plan, None
@@ -289,7 +332,7 @@ def plan_pool(
     def peak(length: int) -> int:
         return at_width(request_blocks(length))
 
-    plan = plan_kv(*args, peak, rows, plan.max_model_len, explicit_len)
+    plan = replace(plan_kv(*args, peak, rows, plan.max_model_len, explicit_len), wide=model.wide)
     profiled = peak(plan.max_model_len)
     log.info(
         "profiled the largest step (%d-token prefill, %d rows x %d nodes, %d columns%s) in %.1f s: %s at "
@@ -330,7 +373,7 @@ def extrapolated_peak(
     # Per column, what a CPU's steps surely hold: the prefill's mask and gathered keys/values (MLA's
     # expanded), the round's rows' masks and gathers (SDPA on a CPU takes GQA without expanding heads).
     forward = model.forward
-    elem = pool_dtype(forward.layout, model.dtype, model.device).itemsize  # the gathered keys and values
+    elem = pool_layouts(model)[0][2].itemsize  # the gathered keys and values
     read = forward.layout.elements_per_token() * elem
     per_column = max(
         tokens + (forward.gathered_bytes_per_column(elem) if forward.mla else read),
@@ -371,7 +414,7 @@ def profile_step(
             dropped = (len(feature_layers) - 1) * tokens * hidden_size * dtype.itemsize
             feature_layers = [len(forward.layers) - 1] * len(feature_layers)
     span = width * bs
-    kv_dtype = pool_dtype(forward.layout, dtype, device)
+    kv_dtype = pool_layouts(model)[0][2]
     cache = PagedKVCache(len(forward.layers), 1, bs, width, forward.layout, kv_dtype, device)
     tables = torch.zeros(measured_rows, width + 1, dtype=torch.int64, device=device)  # [B, W + 1]: block 0
     keys = torch.arange(span, device=device)  # [span]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -67,16 +68,14 @@ class ModelRunner:
         # Columns a pass writes after its context; a worker's are rank 0's (its block tables have that width)
         self.draft_block = pool[1] if pool is not None else 0 if drafter is None else drafter.block_size
         self.block_size = cache_config.block_size
-        layouts = pool_layouts(self.forward, self.dtype, self.drafter, self.device)
-        self.kv_cache_bytes_per_token, self.block_bytes = pool_bytes(layouts, self.block_size)
         steps = (max_num_batched_tokens, max_num_seqs, max_nodes)
+        model = StepModel(self.forward, self.lm_head, self.dtype, self.device, self.drafter, self.block_size)
         plan, self.profiled_activation_bytes = pool[0] if pool else None, None  # the largest step's peak
         if pool is None:
-            model = StepModel(
-                self.forward, self.lm_head, self.dtype, self.device, self.drafter, self.block_size
-            )
-            args = (cache_config, self.block_bytes, self.request_blocks, steps, max_model_len, explicit_len)
+            args = (cache_config, self.request_blocks, steps, max_model_len, explicit_len)
             plan, self.profiled_activation_bytes = plan_pool(model, target.config, *args, channel is None)
+        layouts = pool_layouts(replace(model, wide=plan.wide))
+        self.kv_cache_bytes_per_token, self.block_bytes = pool_bytes(layouts, self.block_size)
         self.allocate(plan, layouts)
         self.verify_forward, self.draft_forward = self.verify_forward_eager, self.draft_forward_eager
         if channel is not None and channel.leader:  # the other ranks build their runners like this one

@@ -64,9 +64,12 @@ class KVLayout:
         return math.prod(self.token_shape) * (2 if self.has_values else 1)
 
 
-def pool_dtype(layout: KVLayout, dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+def pool_dtype(
+    layout: KVLayout, dtype: torch.dtype, device: torch.device | str, wide: bool = True
+) -> torch.dtype:
     """The dtype a pool stores for layers computing in ``dtype`` on ``device``: float32 for a GQA layer's
-    half-precision keys and values on a CPU, else ``dtype``.
+    half-precision keys and values on a CPU (where ``wide``: ``memory.plan_pool`` narrows it where
+    float32 would cost context), else ``dtype``.
 
     Why: the CPU's fused SDPA kernel over bf16 keys runs a decode query several times slower than over
     float32 ones (one thread, this project's CPU: 7.4 against 1.6 ms for 16 rows of the built-in target
@@ -76,7 +79,8 @@ def pool_dtype(layout: KVLayout, dtype: torch.dtype, device: torch.device | str)
     every call in float32 over them. MLA latents stay in ``dtype``: the model's own matmuls in its dtype
     read them."""
     half = dtype in (torch.bfloat16, torch.float16)
-    return torch.float32 if half and layout.has_values and torch.device(device).type == "cpu" else dtype
+    cpu = torch.device(device).type == "cpu"
+    return torch.float32 if wide and half and layout.has_values and cpu else dtype
 
 
 class PagedKVCache:

@@ -166,6 +166,45 @@ def test_a_prefill_positions_attention_is_the_same_in_any_chunking(monkeypatch):
     assert torch.equal(prefill_outputs(keys, values, q, 30, span=112), whole)
 
 
+@pytest.mark.parametrize("width", [1, 7, 64])
+def test_a_context_in_column_chunks_gives_every_query_its_bits_alone(monkeypatch, width):
+    """The float64 scratch bound (``EXACT_BYTES``) splits a long context into column chunks with an online
+    softmax: at chunks of 1, 7 and 64 columns every tree node (ancestors among masked siblings, columns
+    masked to the span) and every prefill position still equals its query alone over its own columns."""
+    per_column = KV * 2 * D  # float64 keys and values of one row
+    monkeypatch.setattr(invariance, "EXACT_BYTES", 8 * per_column * width)
+    torch.manual_seed(7)
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 6, 8, 9, 10, 11, 12, 13, 14, 15]
+    start, n = 130, len(parents)
+    keys, values = (torch.randn(KV, start + n, D, dtype=BF16) * 4 for _ in range(2))
+    q = torch.randn(HEADS, n, D, dtype=BF16) * 4
+    tree = tree_outputs(parents, keys, values, q, start, span=start + n + 40)
+    for j, path in enumerate(paths_from_parents(parents)):
+        cols = list(range(start)) + [start + i for i in path]
+        assert torch.equal(tree[:, j], alone(q[:, j], keys[:, cols], values[:, cols])), f"node {j}"
+    prefill = prefill_outputs(keys, values, q, start, span=start + n + 9)
+    for i in range(n):
+        cols = list(range(start + i + 1))
+        assert torch.equal(prefill[:, i], alone(q[:, i], keys[:, cols], values[:, cols])), f"position {i}"
+
+
+def test_the_exact_passes_float64_scratch_is_bounded_at_a_long_context():
+    """Sixteen exact decode rows over 40,960 columns at Qwen3-0.6B's attention shapes (16 heads over 8 KV
+    heads of 128): their keys and values alone would take 10.7 GB in float64. The pass holds at most its
+    bound (``exact_scratch_bytes``), measured as the float64 buffers it keeps and the peak it reaches."""
+    rows, heads, kv, d, span = 16, 16, 8, 128, 40_960
+    keys = torch.zeros(1, span, kv, d, dtype=BF16).expand(rows, -1, -1, -1).transpose(1, 2)
+    q = torch.randn(rows, heads, 1, d, dtype=BF16)
+    mask = torch.ones(rows, 1, 1, span, dtype=torch.bool)
+    invariance.SCRATCH.clear()
+    with torch.inference_mode():
+        ExactRows(torch.arange(rows), rows).attend(None, q, keys, keys, mask, d**-0.5)
+    kept = sum(buf.numel() * 8 for buf in invariance.SCRATCH.values())
+    assert kept <= invariance.EXACT_BYTES
+    assert invariance.exact_scratch_bytes(BF16) < 1 << 30
+    assert invariance.exact_scratch_bytes(torch.float32) == 0
+
+
 def test_exact_attention_runs_inside_and_outside_inference_mode_alike(monkeypatch):
     """The float64 copies go to kept buffers; one made under inference mode (an engine's step) must not be
     the one a call outside it (a training step, a test) writes into."""
@@ -277,9 +316,13 @@ def mla_runs() -> list[list[list[int]]]:
     return runs
 
 
-def test_an_mla_targets_exact_rows_are_the_same_alone_batched_preempted_and_chunked():
+@pytest.mark.parametrize("columns", [None, 5])
+def test_an_mla_targets_exact_rows_are_the_same_alone_batched_preempted_and_chunked(monkeypatch, columns):
     """MLA's exact rows attend in one float64 absorbed form in a prefill and in a verify round alike, so
-    greedy and seeded outputs equal plain decoding alone through batching, preemption and chunking."""
+    greedy and seeded outputs equal plain decoding alone through batching, preemption and chunking; also
+    with the float64 scratch bound splitting every context into passes of 5 columns a row."""
+    if columns is not None:
+        monkeypatch.setattr(invariance, "EXACT_BYTES", 8 * columns * (32 + 8))  # kv_lora_rank + rope dims
     alone, *others = mla_runs()
     for run in others:
         assert run == alone

@@ -28,6 +28,7 @@ from ddtree import startup
 from ddtree.errors import DDTreeError
 from ddtree.model.capture import tree_mask
 from ddtree.model.forward import TargetForward
+from ddtree.model.invariance import exact_scratch_bytes
 from ddtree.model.kv_cache import KVLayout, PagedKVCache, pool_dtype
 from ddtree.speculative.drafter import DFlashDrafter
 
@@ -306,11 +307,12 @@ def plan_dtype(
     gathered = pool_layouts(model)[0][2].itemsize  # what attention reads
     block_bytes = pool_bytes(pool_layouts(model), bs)[1]
 
+    exact = exact_scratch_bytes(model.dtype)  # seeded rows' float64 attention, which no step here runs
+
     def activations(length: int) -> int:
         column, absorbed = (forward.gathered_bytes_per_column(gathered, absorbed=a) for a in (False, True))
-        return activation_bytes(
-            config, tokens, rows, nodes, request_blocks(length) * bs, elem, column, absorbed
-        )
+        span = request_blocks(length) * bs
+        return activation_bytes(config, tokens, rows, nodes, span, elem, column, absorbed) + exact
 
     args = (cache, model.device, block_bytes, request_blocks)
     plan = replace(plan_kv(*args, activations, rows, max_model_len, explicit_len), wide=model.wide)
@@ -330,7 +332,7 @@ def plan_dtype(
         return plan, None
 
     def peak(length: int) -> int:
-        return at_width(request_blocks(length))
+        return at_width(request_blocks(length)) + exact
 
     plan = replace(plan_kv(*args, peak, rows, plan.max_model_len, explicit_len), wide=model.wide)
     profiled = peak(plan.max_model_len)

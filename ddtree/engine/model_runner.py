@@ -58,7 +58,7 @@ class ModelRunner:
         self.dtype = next(target.parameters()).dtype
         self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
         # where rows may be exact (``exact_rows``): in float32 a row's company moves its logits ~1e-7
-        self.low_precision = self.dtype in (torch.bfloat16, torch.float16)
+        self.low_precision = self.dtype in invariance.LOW_PRECISION
         self._exact: tuple[tuple[tuple[int, ...], int], ExactRows] | None = None  # the last exact rows asked
         if self.low_precision:
             invariance.install(target)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -192,9 +193,23 @@ def _moded(forward):
     return wrapped
 
 
-# Score entries an exact attention call holds at once (float64: 256 MiB); a longer prefill's queries go
-# in chunks (each query's result is its own: chunking changes nothing).
-EXACT_SCORES = 1 << 25
+# What one float64 pass of exact attention holds, whatever the rows, heads and context: its keys and values
+# (or latents) in float64, at most EXACT_BYTES, and its scores, at most EXACT_SCORES entries (computed in
+# place: one float64 tensor, and the mask's complement beside it). A longer context goes in column chunks
+# (an online softmax in float64), more queries in query chunks, so seeded rows at 40,960 columns cost a
+# bounded scratch, not their whole context in float64 (16 rows of Qwen3-0.6B's shapes: 10.7 GB);
+# ``exact_scratch_bytes`` is what the memory plan reserves for it. Smaller column chunks let more queries
+# share a pass: a long prefill converts its keys once per query chunk.
+EXACT_BYTES = 1 << 26
+EXACT_SCORES = 1 << 23
+SCORE_COPIES = 2
+LOW_PRECISION = (torch.bfloat16, torch.float16)  # the dtypes whose rows may be exact
+
+
+def exact_scratch_bytes(dtype: torch.dtype) -> int:
+    """Bytes a forward's exact rows may hold beyond its own activations, for a model computing in
+    ``dtype`` (none in float32: no row is exact there)."""
+    return EXACT_BYTES + SCORE_COPIES * 8 * EXACT_SCORES if dtype in LOW_PRECISION else 0
 
 
 # Query rows up to which the scores are computed as keys @ q^T. MKL's float64 GEMM with two rows (a decode
@@ -204,57 +219,112 @@ EXACT_SCORES = 1 << 25
 KEYS_FIRST_ROWS = 16
 
 
-def query_chunk(heads: int, span: int) -> int:
-    """Queries per float64 pass, so that its scores hold at most ``EXACT_SCORES`` entries."""
-    return max(1, EXACT_SCORES // max(1, heads * span))
+def column_chunk(rows: int, per_column: int, columns: int) -> int:
+    """Columns per float64 pass of ``rows`` rows whose keys and values take ``per_column`` values a column:
+    at most ``EXACT_BYTES`` of them, and no more than the ``columns`` there are."""
+    return min(columns, max(1, EXACT_BYTES // (8 * rows * per_column)))
+
+
+def query_chunk(rows: int, heads: int, columns: int) -> int:
+    """Queries per float64 pass of ``rows`` rows over ``columns`` columns: scores of at most
+    ``EXACT_SCORES`` entries."""
+    return max(1, EXACT_SCORES // max(1, rows * heads * columns))
+
+
+Chunk = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 def attend64(
     q: torch.Tensor,  # [E, kv, R, D] float64: query rows (a KV head's queries, its heads folded in)
-    keys: torch.Tensor,  # [E, kv, S, D] float64
-    values: torch.Tensor,  # [E, kv, S, Dv] float64
-    seen: torch.Tensor,  # bool, broadcast to [E, kv, R, S]: True = attend
+    chunk: Chunk,  # (lo, hi) -> float64 keys [E, kv, W, D] and values [E, kv, W, Dv] of columns lo .. hi
+    columns: int,
+    width: int,  # columns per pass
+    seen: torch.Tensor,  # bool [E, 1, R, columns]: True = attend
     scale: float,
 ) -> torch.Tensor:
-    """Masked softmax attention in float64, [E, kv, R, Dv]: the one computation both exact forms run."""
-    if q.shape[-2] <= KEYS_FIRST_ROWS:  # [E, kv, R, S], as keys @ q^T: GEMM's long side is the columns
-        scores = torch.matmul(keys, q.transpose(-1, -2)).transpose(-1, -2) * scale
-    else:
-        scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
-    return torch.matmul(torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1), values)
+    """Masked softmax attention in float64, [E, kv, R, Dv], the one computation both exact forms run: over
+    ``width`` columns at a time with an online softmax (each query's running max, sum and weighted values,
+    rescaled as a later chunk raises the max). Every query sees at least one column (its own)."""
+    top = total = acc = None
+    for lo in range(0, columns, width):
+        keys, values = chunk(lo, lo + width)
+        if q.shape[-2] <= KEYS_FIRST_ROWS:  # [E, kv, R, W], as keys @ q^T: GEMM's long side is the columns
+            scores = torch.matmul(keys, q.transpose(-1, -2)).transpose(-1, -2)
+        else:
+            scores = torch.matmul(q, keys.transpose(-1, -2))
+        scores.mul_(scale).masked_fill_(~seen[..., lo : lo + width], float("-inf"))
+        new_top = scores.amax(dim=-1, keepdim=True)  # [E, kv, R, 1]; -inf: nothing seen in this chunk
+        if top is not None:
+            new_top = torch.maximum(new_top, top)
+        shift = new_top.masked_fill(new_top == float("-inf"), 0.0)  # exp(-inf - 0) = 0, not NaN
+        weights = scores.sub_(shift).exp_()  # [E, kv, R, W]: masked columns exactly 0
+        part, part_total = torch.matmul(weights, values), weights.sum(dim=-1, keepdim=True)
+        if top is None:
+            total, acc = part_total, part
+        else:
+            rescale = torch.exp(top - shift)  # [E, kv, R, 1]: 0 where nothing was seen before
+            total, acc = total * rescale + part_total, acc * rescale + part
+        top = new_top
+    return acc / total
 
 
 def exact_attention(
-    q: torch.Tensor,  # [E, heads, T, D]
-    keys: torch.Tensor,  # [E, kv_heads, S, D]
-    values: torch.Tensor,  # [E, kv_heads, S, Dv]
-    mask: torch.Tensor,  # [E, 1, T, S] bool, True = attend
+    q: torch.Tensor,  # [B, heads, T, D]
+    keys: torch.Tensor,  # [B, kv_heads, S, D]
+    values: torch.Tensor,  # [B, kv_heads, S, Dv]
+    mask: torch.Tensor,  # [B, 1, T, S] bool, True = attend
     scale: float,
+    rows: torch.Tensor | None = None,  # [E] the exact rows of the batch; None: all of them
 ) -> torch.Tensor:
-    """Attention [E, heads, T, Dv] in float64, rounded back to q's dtype: a query's result depends only on
-    its visible keys and values, not on where they sit, what lies masked between them or what else the
-    call holds. A product of two bf16 (or fp16) values is exact in float64 and a dot product's sum is
-    within 2^-53 of exact in any order, so the order a kernel adds in moves a score by ~1e-16, and the
-    output's rounding to bf16 (2^-8) hides that in all but ~2^-45 of entries (none seen: the tests
-    compare tree layouts, spans and batches against each query computed alone). Masked columns get
-    exactly zero weight (exp(-inf)). No kernel choice is trusted to keep its reduction order: the
-    invariance is the precision's, on any device."""
+    """Attention [E, heads, T, Dv] of the exact rows in float64, rounded back to q's dtype: a query's result
+    depends only on its visible keys and values, not on where they sit, what lies masked between them or
+    what else the call holds. A product of two bf16 (or fp16) values is exact in float64 and a dot
+    product's sum is within 2^-53 of exact in any order, so the order a kernel adds in (or the chunks a
+    pass splits the columns into) moves a score by ~1e-16, and the output's rounding to bf16 (2^-8) hides
+    that in all but ~2^-45 of entries (none seen: the tests compare tree layouts, spans, chunkings and
+    batches against each query computed alone). Masked columns get exactly zero weight (exp(-inf)). No
+    kernel choice is trusted to keep its reduction order: the invariance is the precision's, on any
+    device."""
+    if rows is not None:
+        q, mask = q[rows], mask[rows]
     e, heads, t, d = q.shape
-    kv = keys.shape[1]
+    kv, columns = keys.shape[1], keys.shape[2]
     group = heads // kv
-    # contiguous float64 copies: a strided one (the pool's [B, span, kv, D] read, transposed) made every
-    # matmul below copy it again (10 ms against 1.9 ms for 16 decode rows over 320 columns)
-    keys, values = contiguous64(keys, "keys"), contiguous64(values, "values")
-    chunk = query_chunk(heads, keys.shape[2])
+    width = column_chunk(e, kv * (d + values.shape[-1]), columns)
+    chunk = float64_columns(keys, values, rows, width >= columns)
+    step = query_chunk(e, heads, width)
     parts = []
-    for lo in range(0, t, chunk):
-        qc = q[:, :, lo : lo + chunk].double()  # [E, heads, C, D]
+    for lo in range(0, t, step):
+        qc = q[:, :, lo : lo + step].double()  # [E, heads, C, D]
         c = qc.shape[2]
         # the heads sharing a KV head fold into its query rows: [E, kv, group * C, D], row g * C + i
-        seen = mask[:, :, None, lo : lo + chunk].expand(e, 1, group, c, -1).reshape(e, 1, group * c, -1)
-        out = attend64(qc.reshape(e, kv, group * c, d), keys, values, seen, scale)
-        parts.append(out.view(e, heads, c, -1))  # [E, heads, C, Dv]
-    return torch.cat(parts, dim=2).to(q.dtype)
+        seen = mask[:, :, None, lo : lo + step].expand(e, 1, group, c, -1).reshape(e, 1, group * c, -1)
+        out = attend64(qc.reshape(e, kv, group * c, d), chunk, columns, width, seen, scale)
+        parts.append(out.view(e, heads, c, -1).to(q.dtype))  # [E, heads, C, Dv]
+    return torch.cat(parts, dim=2)
+
+
+def float64_columns(
+    keys: torch.Tensor, values: torch.Tensor | None, rows: torch.Tensor | None, once: bool
+) -> Chunk:
+    """``attend64``'s chunks of ``keys`` / ``values`` [B, kv, S, D] (the exact ``rows`` of them): each a
+    contiguous float64 copy (a strided one, the pool's [B, span, kv, D] read transposed, made every matmul
+    copy it again: 10 ms against 1.9 ms for 16 decode rows over 320 columns). ``values`` None: the first
+    columns of the keys' last dimension are the values (MLA's latents; ``chunk`` returns them whole).
+    ``once``: every column in one chunk, converted once for all query chunks."""
+
+    def convert(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k = keys[:, :, lo:hi] if rows is None else keys[rows, :, lo:hi]
+        k = contiguous64(k, "keys")
+        if values is None:
+            return k, k
+        v = values[:, :, lo:hi] if rows is None else values[rows, :, lo:hi]
+        return k, contiguous64(v, "values")
+
+    if once:
+        whole = convert(0, keys.shape[2])
+        return lambda lo, hi: whole
+    return convert
 
 
 SCRATCH: dict[tuple, torch.Tensor] = {}  # (device, slot, inference mode) -> a float64 buffer, grown
@@ -264,42 +334,53 @@ def contiguous64(x: torch.Tensor, slot: str) -> torch.Tensor:
     """x as a contiguous float64 tensor, in one copy into ``slot``'s buffer (valid until its next use).
     Kept, as the cache's read buffers are: a fresh 8 MB tensor a layer (16 rows, 470 columns) went back
     to the system and faulted its pages in again every layer, the exact path's largest and least steady
-    cost on a CPU."""
+    cost on a CPU. At most ``EXACT_BYTES`` across both slots (``column_chunk``)."""
     # a buffer made under inference mode cannot be written outside it: one per mode
     key, n = (x.device, slot, torch.is_inference_mode_enabled()), x.numel()
     buf = SCRATCH.get(key)
     if buf is None or buf.numel() < n:
+        SCRATCH.pop(key, None)  # the old buffer goes before the new one is made
         buf = SCRATCH[key] = torch.empty(n, dtype=torch.float64, device=x.device)
     return buf[:n].view(x.shape).copy_(x)
 
 
 def exact_latent_attention(
-    q_nope: torch.Tensor,  # [E, heads, T, nope]
-    q_rot: torch.Tensor,  # [E, heads, T, rope], rotated
-    latent: torch.Tensor,  # [E, S, rank + rope]: the cached latents
+    q_nope: torch.Tensor,  # [B, heads, T, nope]
+    q_rot: torch.Tensor,  # [B, heads, T, rope], rotated
+    latent: torch.Tensor,  # [B, S, rank + rope]: the cached latents
     w: torch.Tensor,  # [heads, nope + v, rank]: kv_b_proj's weight (W_UK its first nope rows, W_UV the rest)
-    mask: torch.Tensor,  # [E, 1, T, S] bool, True = attend
+    mask: torch.Tensor,  # [B, 1, T, S] bool, True = attend
     scale: float,
+    rows: torch.Tensor | None = None,  # [E] the exact rows of the batch; None: all of them
 ) -> torch.Tensor:
-    """MLA attention [E, heads, T, v] in float64 in the absorbed form, rounded to q's dtype: the one form
-    both a prefill (which expands keys in bf16) and a verify round (which absorbs W_UK in bf16) give their
-    exact rows, so a position gets the same bits whichever forward computed it (``exact_attention``'s
-    argument, W_UK and W_UV inside the float64 pass)."""
+    """MLA attention [E, heads, T, v] of the exact rows in float64 in the absorbed form, rounded to q's
+    dtype: the one form both a prefill (which expands keys in bf16) and a verify round (which absorbs W_UK
+    in bf16) give their exact rows, so a position gets the same bits whichever forward computed it
+    (``exact_attention``'s argument, W_UK and W_UV inside the float64 pass)."""
+    if rows is not None:
+        q_nope, q_rot, mask = q_nope[rows], q_rot[rows], mask[rows]
     e, heads, t, nope = q_nope.shape
-    rank = w.shape[2]
+    rank, columns = w.shape[2], latent.shape[1]
     w = w.double()
-    latent = contiguous64(latent, "keys")[:, None]  # [E, 1, S, rank + rope]: one KV head
-    chunk = query_chunk(heads, latent.shape[2])
+    width = column_chunk(e, latent.shape[2], columns)
+    latents = latent[:, None]  # [B, 1, S, rank + rope]: one KV head
+    keys = float64_columns(latents, None, rows, width >= columns)
+
+    def chunk(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lat = keys(lo, hi)[0]
+        return lat, lat[..., :rank]
+
+    step = query_chunk(e, heads, width)
     parts = []
-    for lo in range(0, t, chunk):
-        q_lat = torch.matmul(q_nope[:, :, lo : lo + chunk].double(), w[:, :nope])  # [E, heads, C, rank]
-        q = torch.cat((q_lat, q_rot[:, :, lo : lo + chunk].double()), dim=-1)  # [E, heads, C, rank + rope]
+    for lo in range(0, t, step):
+        q_lat = torch.matmul(q_nope[:, :, lo : lo + step].double(), w[:, :nope])  # [E, heads, C, rank]
+        q = torch.cat((q_lat, q_rot[:, :, lo : lo + step].double()), dim=-1)  # [E, heads, C, rank + rope]
         c = q.shape[2]
-        seen = mask[:, :, None, lo : lo + chunk].expand(e, 1, heads, c, -1).reshape(e, 1, heads * c, -1)
-        out = attend64(q.reshape(e, 1, heads * c, -1), latent, latent[..., :rank], seen, scale)
+        seen = mask[:, :, None, lo : lo + step].expand(e, 1, heads, c, -1).reshape(e, 1, heads * c, -1)
+        out = attend64(q.reshape(e, 1, heads * c, -1), chunk, columns, width, seen, scale)
         out = out.view(e, heads, c, rank)  # in the latent space
-        parts.append(torch.matmul(out, w[:, nope:].transpose(1, 2)))  # [E, heads, C, v]: through W_UV
-    return torch.cat(parts, dim=2).to(q_nope.dtype)
+        parts.append(torch.matmul(out, w[:, nope:].transpose(1, 2)).to(q_nope.dtype))  # [E, heads, C, v]
+    return torch.cat(parts, dim=2)
 
 
 @dataclass
@@ -330,8 +411,7 @@ class ExactRows:
         """The exact rows' attention again, computed so that no layout or company reaches its bits."""
         if out is None:
             return exact_attention(q, keys, values, mask, scale)
-        r = self.rows
-        out[r] = exact_attention(q[r], keys[r], values[r], mask[r], scale)
+        out[self.rows] = exact_attention(q, keys, values, mask, scale, self.rows)
         return out
 
     def attend_latent(
@@ -348,6 +428,5 @@ class ExactRows:
         """MLA's exact rows again (``exact_latent_attention``), in a prefill and a verify round alike."""
         if out is None:
             return exact_latent_attention(q_nope, q_rot, latent, w, mask, scale)
-        r = self.rows
-        out[r] = exact_latent_attention(q_nope[r], q_rot[r], latent[r], w, mask[r], scale)
+        out[self.rows] = exact_latent_attention(q_nope, q_rot, latent, w, mask, scale, self.rows)
         return out

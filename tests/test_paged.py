@@ -173,6 +173,7 @@ def test_a_float32_pool_never_costs_a_half_precision_model_context(half_models, 
     assert tight.runner.cache.dtype == tight.runner.draft_cache.dtype == torch.bfloat16
     assert tight.max_model_len == length
     assert tight.runner.block_bytes * 2 == ample.runner.block_bytes
+    assert [e.kv_cache_summary()["kv_cache_dtype"] for e in (ample, tight)] == ["float32", "bfloat16"]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     assert run(tight, [(PROMPTS[0], params, "ddtree")]) == run(tight, [(PROMPTS[0], params, "ar")])
 

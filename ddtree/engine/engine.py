@@ -227,13 +227,15 @@ class Engine:
 
     def kv_cache_summary(self) -> dict:
         """The KV pool in the numbers a deployment sizes by (the server's start-up log, ``--stats``):
-        tokens it holds, the target's bytes per token (all layers; MLA's latent or GQA's keys and values),
-        how many requests at ``max_model_len`` fit at once (the drafter's pool shares the blocks), and
-        whether full blocks are shared between requests (prefix caching)."""
+        tokens it holds, the target's bytes per token (all layers; MLA's latent or GQA's keys and values)
+        and the dtype they are held in (float32 for a half-precision model on a CPU where that costs no
+        context: ``memory.plan_pool``), how many requests at ``max_model_len`` fit at once (the drafter's
+        pool shares the blocks), and whether full blocks are shared between requests (prefix caching)."""
         runner = self.runner
         return {
             "kv_cache_tokens": (self.blocks.num_blocks - 1) * self.blocks.block_size,
             "kv_cache_bytes_per_token": self.runner.kv_cache_bytes_per_token,
+            "kv_cache_dtype": str(runner.cache.dtype).removeprefix("torch."),
             "kv_cache_layout": "MLA latent" if runner.cache.layout.is_latent else "GQA keys and values",
             "max_concurrency": (self.blocks.num_blocks - 1) / runner.width,
             "prefix_caching": self.blocks.prefix_caching,

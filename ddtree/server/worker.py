@@ -245,7 +245,7 @@ class EngineWorker:
             engine.blocks.block_size,
             pool["kv_cache_tokens"],
             engine.runner.kv_cache_bytes / (1 << 30),
-            engine.runner.dtype,
+            pool["kv_cache_dtype"],
             pool["kv_cache_bytes_per_token"],
             pool["kv_cache_layout"],
             engine.max_model_len,

@@ -194,15 +194,17 @@ def _moded(forward):
 
 
 # What one float64 pass of exact attention holds, whatever the rows, heads and context: its keys and values
-# (or latents) in float64, at most EXACT_BYTES, and its scores, at most EXACT_SCORES entries (computed in
-# place: one float64 tensor, and the mask's complement beside it). A longer context goes in column chunks
+# (or latents) in float64, at most EXACT_BYTES, and its scores, at most EXACT_SCORES entries, computed in
+# place; SCORE_COPIES counts them with what grows with them (the queries in float64, the weighted values and
+# their running sum: each at most a score tensor's size while a chunk's columns outnumber a head's
+# dimensions, and the mask's complement). A longer context goes in column chunks
 # (an online softmax in float64), more queries in query chunks, so seeded rows at 40,960 columns cost a
 # bounded scratch, not their whole context in float64 (16 rows of Qwen3-0.6B's shapes: 10.7 GB);
 # ``exact_scratch_bytes`` is what the memory plan reserves for it. Smaller column chunks let more queries
 # share a pass: a long prefill converts its keys once per query chunk.
 EXACT_BYTES = 1 << 26
 EXACT_SCORES = 1 << 23
-SCORE_COPIES = 2
+SCORE_COPIES = 4
 LOW_PRECISION = (torch.bfloat16, torch.float16)  # the dtypes whose rows may be exact
 
 

@@ -30,6 +30,7 @@ from ddtree.request.params import (
     parse_size,
 )
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")  # a dtype: the model's, or float32
 ATTENTION_BACKENDS = ("sdpa", "flex")  # with fixed shapes: SDPA over a span bucket, or FlexAttention per row
 PREFILL_GAP_ROUNDS = 4.0  # while requests decode, a prefill step takes about this many rounds' time at most
 
@@ -111,6 +112,12 @@ class EngineConfig:
         "running requests",
     )  # fmt: skip
     block_size: int = flag(16, "--block-size", type=int, help="tokens per KV cache block")
+    kv_cache_dtype: str = flag(
+        "auto", "--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+        help="dtype of the KV cache: the model's, or float32 for a bf16 / fp16 model (same numbers, twice "
+        "the bytes); auto: the model's, except float32 on a CPU where that costs no context (its attention "
+        "runs several times faster over float32 keys)",
+    )  # fmt: skip
     enable_prefix_caching: bool = flag(
         True, "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
         help="reuse the KV blocks (and the drafter's context) of prompt prefixes that earlier requests "
@@ -180,6 +187,8 @@ class EngineConfig:
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise DDTreeError(f"{name('gpu_memory_utilization')} must be in (0, 1], got {u!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise DDTreeError(f"{name('kv_cache_dtype')} must be one of {', '.join(KV_CACHE_DTYPES)}")
         self._check_shapes(name, from_flags)
 
     def _check_shapes(self, name, from_flags: bool) -> None:
@@ -268,6 +277,7 @@ MEMORY_FLAGS = (
     "gpu_memory_utilization",
     "max_num_batched_tokens",
     "block_size",
+    "kv_cache_dtype",
     "enable_prefix_caching",
 )
 COMPILE_FLAGS = ("compile", "batch_buckets", "node_buckets", "span_buckets", "attention")

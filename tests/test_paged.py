@@ -154,7 +154,7 @@ def test_the_models_context_is_lowered_to_what_the_budget_holds(models, caplog):
 
 @pytest.fixture(scope="module")
 def half_models():
-    """The tiny pair in bf16: on a CPU its pools may hold float32 keys and values (``pool_dtype``)."""
+    """The tiny pair in bf16: on a CPU its pools may hold float32 keys and values (``memory.plan_pool``)."""
     target = tiny_target().to(torch.bfloat16)
     return target, tiny_drafter(target).to(torch.bfloat16)
 
@@ -176,6 +176,26 @@ def test_a_float32_pool_never_costs_a_half_precision_model_context(half_models, 
     assert [e.kv_cache_summary()["kv_cache_dtype"] for e in (ample, tight)] == ["float32", "bfloat16"]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     assert run(tight, [(PROMPTS[0], params, "ddtree")]) == run(tight, [(PROMPTS[0], params, "ar")])
+
+
+def test_the_kv_cache_dtype_the_user_names_is_the_pools(half_models):
+    """``kv_cache_dtype`` overrides auto's choice: the model's dtype where float32 would fit (more
+    requests at once), float32 where it costs context (the user's trade), and a dtype narrower than or
+    unlike the model's is a one-line error naming the choices."""
+    ample = engine(half_models, kv_cache_memory="64MiB", kv_cache_dtype="bfloat16")
+    assert ample.runner.cache.dtype == torch.bfloat16
+    tight = int(0.75 * ample.runner.width * 2 * ample.runner.block_bytes)  # one request: bf16 yes, float32 no
+    assert engine(half_models, kv_cache_memory=tight).runner.cache.dtype == torch.bfloat16  # auto
+    with pytest.raises(DDTreeError, match="max_model_len 256"):
+        engine(half_models, kv_cache_memory=tight, kv_cache_dtype="float32")
+    lowered = engine(half_models, kv_cache_memory=tight, kv_cache_dtype="float32", max_model_len=None)
+    context = half_models[0].config.max_position_embeddings
+    assert lowered.runner.cache.dtype == torch.float32 and lowered.max_model_len < context
+    with pytest.raises(DDTreeError, match=r"not this model's dtype \(bfloat16\) or float32") as info:
+        engine(half_models, kv_cache_dtype="float16")
+    assert "\n" not in str(info.value)
+    with pytest.raises(DDTreeError, match="kv_cache_dtype must be one of auto, bfloat16, float16, float32"):
+        engine(half_models, kv_cache_dtype="fp8")
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 16])

@@ -25,7 +25,7 @@ def real_dirs(tmp_path_factory):
 
 def block_bytes(target_dir, layers: int, drafter_layers: int = 1, block_size: int = 16) -> int:
     """Bytes of one KV block of the real-size pair (8 KV heads of 128): on a CPU the pools hold keys and
-    values in float32 whatever "auto" computes in (bf16 or float32; ``kv_cache.pool_dtype``)."""
+    values in float32 whatever "auto" computes in (bf16 or float32; ``memory.plan_pool``)."""
     config = json.loads((target_dir / "config.json").read_text())
     assert resolve_dtype("auto", config, "cpu") in (torch.bfloat16, torch.float32)
     return block_size * (layers + drafter_layers) * 2 * 8 * 128 * 4
@@ -76,7 +76,7 @@ def test_the_real_size_pool_follows_the_budget_and_decodes_like_hf(real_dirs):
     hf = ids[0, len(prompt) :].tolist()
     if got != hf:
         # HF's bf16 SDPA rounds the attention weights to bf16 before the values; the engine's float32 pool
-        # does not (``kv_cache.pool_dtype``). With random weights the logits are near-flat, so a greedy pick
+        # does not (``memory.plan_pool``). With random weights the logits are near-flat, so a greedy pick
         # may then flip, and only at a tie: both picks within two bf16 steps of the top logit there.
         k = next(j for j, (a, b) in enumerate(zip(got, hf, strict=True)) if a != b)
         with torch.inference_mode():

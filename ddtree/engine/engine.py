@@ -108,7 +108,9 @@ class Engine:
         check_target_attention(target.config.to_dict(), "target", config.max_model_len or context)
         self.eos_token_ids = eos_token_ids(target, tokenizer)
         self._grammars: GrammarCompiler | None = None  # made at the first structured-output request
-        cache_config = CacheConfig(config.block_size, config.kv_cache_memory, config.gpu_memory_utilization)
+        cache_config = CacheConfig(
+            config.block_size, config.kv_cache_memory, config.gpu_memory_utilization, config.kv_cache_dtype
+        )
         deepest = config.budget if config.budget != AUTO else config.auto_max_budget
         if drafter is not None:
             deepest = max(deepest, drafter.block_size - 1)

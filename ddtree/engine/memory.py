@@ -102,6 +102,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; wins over the utilization share
     gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"  # "auto", or a dtype's name: the model's or float32 (``plan_pool``)
 
 
 def activation_bytes(
@@ -134,7 +135,7 @@ class KVPlan:
     # max_model_len: only then can measured activations change it.
     share_bound: bool = False
     source: str = ""  # what set the budget, in the flags' words (messages)
-    wide: bool = True  # on a CPU, half-precision keys and values held in float32 (``kv_cache.pool_dtype``)
+    wide: bool = False  # half-precision keys and values held in float32 (``kv_cache.pool_dtype``)
 
 
 def plan_kv(
@@ -213,18 +214,18 @@ class StepModel:
     device: torch.device
     drafter: DFlashDrafter | None
     block_size: int
-    wide: bool = True
+    wide: bool = False
 
 
 def pool_layouts(model: StepModel) -> list[tuple[int, KVLayout, torch.dtype]]:
     """(layers, what a layer caches per token, dtype) of the target's pool and the drafter's
     (``kv_cache.pool_dtype``)."""
-    forward, drafter, device, wide = model.forward, model.drafter, model.device, model.wide
-    layouts = [(len(forward.layers), forward.layout, pool_dtype(forward.layout, model.dtype, device, wide))]
+    forward, drafter, wide = model.forward, model.drafter, model.wide
+    layouts = [(len(forward.layers), forward.layout, pool_dtype(forward.layout, model.dtype, wide))]
     if drafter is not None:
         attn = drafter.layers[0].self_attn
         draft_layout = KVLayout.gqa(attn.num_kv_heads, attn.head_dim)
-        draft_dtype = pool_dtype(draft_layout, next(attn.parameters()).dtype, device, wide)
+        draft_dtype = pool_dtype(draft_layout, next(attn.parameters()).dtype, wide)
         layouts.append((len(drafter.layers), draft_layout, draft_dtype))
     return layouts
 
@@ -246,14 +247,19 @@ def plan_pool(
     explicit_len: bool,
     profile: bool,
 ) -> tuple[KVPlan, int | None]:
-    """The pool (``plan_dtype``) of ``model``'s dtype; on a CPU, of float32 keys and values for a
-    half-precision model (``kv_cache.pool_dtype``: the CPU's attention is faster over them) wherever that
-    holds as long a context as the model's dtype. Where float32 would lower ``max_model_len`` or not fit,
-    the pool holds the model's dtype: a speed-up never costs context. Warns once where the context is
-    lowered."""
+    """The pool (``plan_dtype``) in ``cache.kv_cache_dtype``: the model's dtype, or float32 keys and values
+    for a half-precision model (``kv_cache.pool_dtype``). "auto" takes float32 on a CPU wherever that holds
+    as long a context as the model's dtype: the CPU's fused SDPA kernel over bf16 keys runs a decode query
+    several times slower than over float32 ones (one thread, this project's CPU: 7.4 against 1.6 ms for 16
+    rows of the built-in target over 896 columns; 58 against 8 ms for one Qwen3-8B-shaped layer over
+    4,096, 736 against 213 over 40,960; with as many queries as a 17-node tree the two cost about the
+    same). Where float32 would lower ``max_model_len`` or not fit, "auto" keeps the model's dtype: a
+    speed-up never costs context. Warns once where the context is lowered."""
     args = (config, cache, request_blocks, steps, max_model_len, explicit_len, profile)
     wide, narrow = replace(model, wide=True), replace(model, wide=False)
-    if pool_layouts(wide) == pool_layouts(narrow):  # nothing to widen: a GPU, float32, MLA latents
+    if cache.kv_cache_dtype != "auto":
+        plan, peak = plan_dtype(wide if chosen_wide(cache.kv_cache_dtype, model.dtype) else narrow, *args)
+    elif model.device.type != "cpu" or pool_layouts(wide) == pool_layouts(narrow):  # float32, MLA latents
         plan, peak = plan_dtype(narrow, *args)
     else:
         plan, peak = None, None
@@ -280,6 +286,18 @@ def plan_pool(
             plan.max_model_len,
         )
     return plan, peak
+
+
+def chosen_wide(name: str, dtype: torch.dtype) -> bool:
+    """Whether ``--kv-cache-dtype name`` widens a model computing in ``dtype``; a one-line error for a dtype
+    the pool cannot hold (narrower than the model's: its keys would lose bits)."""
+    model = str(dtype).removeprefix("torch.")
+    if name not in (model, "float32"):
+        raise DDTreeError(
+            f"--kv-cache-dtype {name} is not this model's dtype ({model}) or float32; use auto, {model} "
+            "or float32"
+        )
+    return name == "float32"
 
 
 def plan_dtype(

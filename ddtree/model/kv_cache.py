@@ -64,23 +64,14 @@ class KVLayout:
         return math.prod(self.token_shape) * (2 if self.has_values else 1)
 
 
-def pool_dtype(
-    layout: KVLayout, dtype: torch.dtype, device: torch.device | str, wide: bool = True
-) -> torch.dtype:
-    """The dtype a pool stores for layers computing in ``dtype`` on ``device``: float32 for a GQA layer's
-    half-precision keys and values on a CPU (where ``wide``: ``memory.plan_pool`` narrows it where
-    float32 would cost context), else ``dtype``.
-
-    Why: the CPU's fused SDPA kernel over bf16 keys runs a decode query several times slower than over
-    float32 ones (one thread, this project's CPU: 7.4 against 1.6 ms for 16 rows of the built-in target
-    over 896 columns; 58 against 8 ms for one Qwen3-8B-shaped layer over 4,096, 736 against 213 over
-    40,960); with as many queries as a 17-node tree the two cost about the same. A half-precision key or
-    value is exact in float32, so the pool holds the same numbers at twice the bytes, and ``attend`` runs
-    every call in float32 over them. MLA latents stay in ``dtype``: the model's own matmuls in its dtype
-    read them."""
+def pool_dtype(layout: KVLayout, dtype: torch.dtype, wide: bool) -> torch.dtype:
+    """The dtype a pool stores for layers computing in ``dtype``: with ``wide``, float32 for a GQA layer's
+    half-precision keys and values (``memory.plan_pool`` decides when), else ``dtype``. A half-precision key
+    or value is exact in float32, so a wide pool holds the same numbers at twice the bytes, and ``attend``
+    runs every call in float32 over them. MLA latents stay in ``dtype``: the model's own matmuls in its
+    dtype read them."""
     half = dtype in (torch.bfloat16, torch.float16)
-    cpu = torch.device(device).type == "cpu"
-    return torch.float32 if wide and half and layout.has_values and cpu else dtype
+    return torch.float32 if wide and half and layout.has_values else dtype
 
 
 class PagedKVCache:

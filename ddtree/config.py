@@ -114,9 +114,9 @@ class EngineConfig:
     block_size: int = flag(16, "--block-size", type=int, help="tokens per KV cache block")
     kv_cache_dtype: str = flag(
         "auto", "--kv-cache-dtype", choices=KV_CACHE_DTYPES,
-        help="dtype of the KV cache: the model's, or float32 for a bf16 / fp16 model (same numbers, twice "
-        "the bytes); auto: the model's, except float32 on a CPU where that costs no context (its attention "
-        "runs several times faster over float32 keys)",
+        help="dtype of the KV cache's keys and values: the model's, or float32 for a bf16 / fp16 model (same "
+        "numbers, twice the bytes; MLA latents stay in the model's dtype); auto: the model's, except float32 "
+        "on a CPU where that costs no context (its attention runs several times faster over float32 keys)",
     )  # fmt: skip
     enable_prefix_caching: bool = flag(
         True, "--enable-prefix-caching", action=argparse.BooleanOptionalAction,

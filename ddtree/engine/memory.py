@@ -292,10 +292,11 @@ def chosen_wide(name: str, dtype: torch.dtype) -> bool:
     """Whether ``--kv-cache-dtype name`` widens a model computing in ``dtype``; a one-line error for a dtype
     the pool cannot hold (narrower than the model's: its keys would lose bits)."""
     model = str(dtype).removeprefix("torch.")
-    if name not in (model, "float32"):
+    allowed = list(dict.fromkeys((model, "float32")))
+    if name not in allowed:
+        choices = ", ".join(["auto", *allowed[:-1]]) + f" or {allowed[-1]}"
         raise DDTreeError(
-            f"--kv-cache-dtype {name} is not this model's dtype ({model}) or float32; use auto, {model} "
-            "or float32"
+            f"--kv-cache-dtype {name} is not this model's dtype ({model}) or float32; use {choices}"
         )
     return name == "float32"
 

@@ -7,8 +7,8 @@ decides the pool (a real-size largest step takes minutes on a few cores).
 
 The pool is never larger than every running request at ``max_model_len`` needs, and never smaller than one
 such request: a ``max_model_len`` the user set that does not fit is a one-line error naming the flags to
-change; the model's own context is lowered to what fits. On a CPU the pool holds a half-precision model's
-keys and values in float32 (faster attention, ``kv_cache.pool_dtype``) only where that costs no context.
+change; the model's own context is lowered to what fits. With ``--kv-cache-dtype auto`` a CPU pool holds
+a half-precision model's keys and values in float32 (faster attention) only where that costs no context.
 ``plan_pool`` plans (and profiles) the pool the ``ModelRunner`` then allocates.
 """
 

@@ -202,8 +202,8 @@ def _moded(forward):
 # bounded scratch, not their whole context in float64 (16 rows of Qwen3-0.6B's shapes: 10.7 GB);
 # ``exact_scratch_bytes`` is what the memory plan reserves for it. Smaller column chunks let more queries
 # share a pass: a long prefill converts its keys once per query chunk.
-EXACT_BYTES = 1 << 26
-EXACT_SCORES = 1 << 23
+EXACT_BYTES = 1 << 25
+EXACT_SCORES = 1 << 22
 SCORE_COPIES = 4
 LOW_PRECISION = (torch.bfloat16, torch.float16)  # the dtypes whose rows may be exact
 

@@ -218,7 +218,9 @@ def exact_scratch_bytes(dtype: torch.dtype) -> int:
 # step's queries of one KV head) runs far below its speed with many: one thread, 32 heads x 900 columns x
 # 64, 2.4 ms as q @ keys^T against 0.88 ms as keys @ q^T; 8 rows 3.5 against 2.1; 34 rows (a 17-node tree)
 # 5.7 against 7.6. (Float32 GEMM does the same work in 0.3 ms: the float64 kernels, not memory, cost here.)
-KEYS_FIRST_ROWS = 16
+# The whole exact call, 16 rows over 900 columns, the other way round / keys first: 2 query rows 7.0 / 5.9
+# ms, 4 rows 7.5 / 7.0, 8 rows 8.9 / 8.5, 12 rows 9.5 / 11.1 (the transposed scores cost the later ops).
+KEYS_FIRST_ROWS = 8
 
 
 def column_chunk(rows: int, per_column: int, columns: int) -> int:

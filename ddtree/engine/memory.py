@@ -29,7 +29,8 @@ from ddtree.errors import DDTreeError
 from ddtree.model.capture import tree_mask
 from ddtree.model.forward import TargetForward
 from ddtree.model.invariance import exact_scratch_bytes
-from ddtree.model.kv_cache import KVLayout, PagedKVCache, pool_dtype
+from ddtree.model.kv_cache import KVLayout, PagedKVCache
+from ddtree.model.precision import HALF_PRECISION
 from ddtree.speculative.drafter import DFlashDrafter
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ class KVPlan:
     # max_model_len: only then can measured activations change it.
     share_bound: bool = False
     source: str = ""  # what set the budget, in the flags' words (messages)
-    wide: bool = False  # half-precision keys and values held in float32 (``kv_cache.pool_dtype``)
+    wide: bool = False  # half-precision keys and values held in float32 (``pool_dtype``)
 
 
 def plan_kv(
@@ -217,9 +218,18 @@ class StepModel:
     wide: bool = False
 
 
+def pool_dtype(layout: KVLayout, dtype: torch.dtype, wide: bool) -> torch.dtype:
+    """The dtype a pool stores for layers computing in ``dtype``: with ``wide``, float32 for a GQA layer's
+    half-precision keys and values (``plan_pool`` decides when), else ``dtype``. A half-precision key
+    or value is exact in float32, so a wide pool holds the same numbers at twice the bytes, and ``attend``
+    runs every call in float32 over them. MLA latents stay in ``dtype``: the model's own matmuls in its
+    dtype read them."""
+    return torch.float32 if wide and dtype in HALF_PRECISION and layout.has_values else dtype
+
+
 def pool_layouts(model: StepModel) -> list[tuple[int, KVLayout, torch.dtype]]:
     """(layers, what a layer caches per token, dtype) of the target's pool and the drafter's
-    (``kv_cache.pool_dtype``)."""
+    (``pool_dtype``)."""
     forward, drafter, wide = model.forward, model.drafter, model.wide
     layouts = [(len(forward.layers), forward.layout, pool_dtype(forward.layout, model.dtype, wide))]
     if drafter is not None:
@@ -248,7 +258,7 @@ def plan_pool(
     profile: bool,
 ) -> tuple[KVPlan, int | None]:
     """The pool (``plan_dtype``) in ``cache.kv_cache_dtype``: the model's dtype, or float32 keys and values
-    for a half-precision model (``kv_cache.pool_dtype``). "auto" takes float32 on a CPU wherever that holds
+    for a half-precision model (``pool_dtype``). "auto" takes float32 on a CPU wherever that holds
     as long a context as the model's dtype: the CPU's fused SDPA kernel over bf16 keys runs a decode query
     several times slower than over float32 ones (one thread, this project's CPU: 7.4 against 1.6 ms for 16
     rows of the built-in target over 896 columns; 58 against 8 ms for one Qwen3-8B-shaped layer over

@@ -29,7 +29,13 @@ from ddtree.model.capture import compile_forward, mark_static, tree_mask, upload
 from ddtree.model.forward import Float32Linear, TargetForward
 from ddtree.model.invariance import ExactRows
 from ddtree.model.kv_cache import KVLayout, PagedKVCache, pack_buffers
-from ddtree.model.precision import FLOAT32_PREFILL_TOKENS, draft_parts, emulated_half, head_floor_rows
+from ddtree.model.precision import (
+    FLOAT32_PREFILL_TOKENS,
+    HALF_PRECISION,
+    draft_parts,
+    emulated_half,
+    head_floor_rows,
+)
 from ddtree.speculative.dflash2 import DFlash2Drafter
 from ddtree.speculative.drafter import DFlashDrafter
 
@@ -58,7 +64,7 @@ class ModelRunner:
         self.dtype = next(target.parameters()).dtype
         self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
         # where rows may be exact (``exact_rows``): in float32 a row's company moves its logits ~1e-7
-        self.low_precision = self.dtype in invariance.LOW_PRECISION
+        self.low_precision = self.dtype in HALF_PRECISION
         self._exact: tuple[tuple[tuple[int, ...], int], ExactRows] | None = None  # the last exact rows asked
         if self.low_precision:
             invariance.install(target)

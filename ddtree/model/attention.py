@@ -92,7 +92,7 @@ def attend(
 ) -> torch.Tensor:
     """Attention output [B, heads, T, D] in q's dtype through either backend (``mask``'s type says which),
     computed in the keys' dtype (a pool may hold wider numbers than the model computes in:
-    ``kv_cache.pool_dtype``)."""
+    ``memory.pool_dtype``)."""
     if q.dtype != keys.dtype:
         return attend(q.to(keys.dtype), keys, values, mask, scale).to(q.dtype)
     if isinstance(mask, BlockMask):

@@ -33,6 +33,7 @@ from ddtree.model import invariance
 from ddtree.model.attention import attend, attend_latent, fold_heads
 from ddtree.model.invariance import ExactRows
 from ddtree.model.kv_cache import CacheWrite, KVLayout
+from ddtree.model.precision import HALF_PRECISION
 from ddtree.model.tensor_parallel import TPGroup, is_mla
 
 Rope = tuple[torch.Tensor, torch.Tensor] | torch.Tensor  # HF's (cos, sin) [B, T, D] each; DeepSeek-V2's freqs
@@ -61,7 +62,7 @@ class Float32Linear(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear and args[0].dtype in (torch.bfloat16, torch.float16):
+        if func is F.linear and args[0].dtype in HALF_PRECISION:
             x, weight = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())

@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ddtree.model.precision import HALF_PRECISION
+
 # Call sizes the probe tries: every size to 40, then around each power of two to 256 (where kernels switch
 # tiles), 256 being the largest chunk an exact row's linear is split into.
 PROBE_SIZES = (*range(1, 41), 48, 63, 64, 65, 96, 127, 128, 129, 192, 255, 256)
@@ -205,13 +207,12 @@ def _moded(forward):
 EXACT_BYTES = 1 << 25
 EXACT_SCORES = 1 << 22
 SCORE_COPIES = 4
-LOW_PRECISION = (torch.bfloat16, torch.float16)  # the dtypes whose rows may be exact
 
 
 def exact_scratch_bytes(dtype: torch.dtype) -> int:
     """Bytes a forward's exact rows may hold beyond its own activations, for a model computing in
     ``dtype`` (none in float32: no row is exact there)."""
-    return EXACT_BYTES + SCORE_COPIES * 8 * EXACT_SCORES if dtype in LOW_PRECISION else 0
+    return EXACT_BYTES + SCORE_COPIES * 8 * EXACT_SCORES if dtype in HALF_PRECISION else 0
 
 
 # Query rows up to which the scores are computed as keys @ q^T. MKL's float64 GEMM with two rows (a decode

@@ -64,16 +64,6 @@ class KVLayout:
         return math.prod(self.token_shape) * (2 if self.has_values else 1)
 
 
-def pool_dtype(layout: KVLayout, dtype: torch.dtype, wide: bool) -> torch.dtype:
-    """The dtype a pool stores for layers computing in ``dtype``: with ``wide``, float32 for a GQA layer's
-    half-precision keys and values (``memory.plan_pool`` decides when), else ``dtype``. A half-precision key
-    or value is exact in float32, so a wide pool holds the same numbers at twice the bytes, and ``attend``
-    runs every call in float32 over them. MLA latents stay in ``dtype``: the model's own matmuls in its
-    dtype read them."""
-    half = dtype in (torch.bfloat16, torch.float16)
-    return torch.float32 if wide and half and layout.has_values else dtype
-
-
 class PagedKVCache:
     """Keys and values (or MLA latents) of ``num_layers`` layers in ``num_blocks`` blocks of ``block_size``
     tokens."""

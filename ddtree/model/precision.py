@@ -13,6 +13,7 @@ import torch.nn.functional as F
 if TYPE_CHECKING:  # hints only: the verify path imports this module without transformers
     from ddtree.speculative.drafter import DFlashDrafter
 
+HALF_PRECISION = (torch.bfloat16, torch.float16)  # the dtypes whose rounding the rules here are about
 FLOAT32_PREFILL_TOKENS = 16  # a prefill forward this large computes its linear layers in float32 ...
 
 
@@ -35,11 +36,7 @@ def fast_low_precision(device: torch.device) -> torch.dtype:
 def emulated_half(device: torch.device, dtype: torch.dtype) -> bool:
     """... on a CPU whose matmuls run bf16 / fp16 only emulated (``Float32Linear``: measured, 4-6x faster
     prefill there)."""
-    return (
-        device.type == "cpu"
-        and dtype in (torch.bfloat16, torch.float16)
-        and (fast_low_precision(device) == torch.float32)
-    )
+    return device.type == "cpu" and dtype in HALF_PRECISION and (fast_low_precision(device) == torch.float32)
 
 
 def head_floor_rows(device: torch.device, weight: torch.Tensor) -> int:

@@ -217,6 +217,11 @@ class StepModel:
     block_size: int
     wide: bool = False
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The target pool's dtype: what its attention reads."""
+        return pool_dtype(self.forward.layout, self.dtype, self.wide)
+
 
 def pool_dtype(layout: KVLayout, dtype: torch.dtype, wide: bool) -> torch.dtype:
     """The dtype a pool stores for layers computing in ``dtype``: with ``wide``, float32 for a GQA layer's
@@ -230,12 +235,12 @@ def pool_dtype(layout: KVLayout, dtype: torch.dtype, wide: bool) -> torch.dtype:
 def pool_layouts(model: StepModel) -> list[tuple[int, KVLayout, torch.dtype]]:
     """(layers, what a layer caches per token, dtype) of the target's pool and the drafter's
     (``pool_dtype``)."""
-    forward, drafter, wide = model.forward, model.drafter, model.wide
-    layouts = [(len(forward.layers), forward.layout, pool_dtype(forward.layout, model.dtype, wide))]
+    forward, drafter = model.forward, model.drafter
+    layouts = [(len(forward.layers), forward.layout, model.kv_dtype)]
     if drafter is not None:
         attn = drafter.layers[0].self_attn
         draft_layout = KVLayout.gqa(attn.num_kv_heads, attn.head_dim)
-        draft_dtype = pool_dtype(draft_layout, next(attn.parameters()).dtype, wide)
+        draft_dtype = pool_dtype(draft_layout, next(attn.parameters()).dtype, model.wide)
         layouts.append((len(drafter.layers), draft_layout, draft_dtype))
     return layouts
 
@@ -272,21 +277,19 @@ def plan_pool(
     elif model.device.type != "cpu" or pool_layouts(wide) == pool_layouts(narrow):  # float32, MLA latents
         plan, peak = plan_dtype(narrow, *args)
     else:
-        plan, peak = None, None
+        plan = peak = None
         with contextlib.suppress(DDTreeError):  # the model's dtype, planned next, says why none fits
             plan, peak = plan_dtype(wide, *args)
         if plan is None or plan.max_model_len < max_model_len:
-            kept, wide_len = (plan, peak), None if plan is None else plan.max_model_len
-            plan, peak = plan_dtype(narrow, *args)
-            if wide_len is not None and wide_len >= plan.max_model_len:
-                plan, peak = kept
-            else:
+            kept, kept_peak = plan_dtype(narrow, *args)
+            if plan is None or plan.max_model_len < kept.max_model_len:
                 log.info(
                     "the KV cache holds keys and values in %s: in float32 (faster attention on a CPU) it "
                     "would hold %s",
                     str(model.dtype).removeprefix("torch."),
-                    "no request" if wide_len is None else f"a context of {wide_len} tokens",
+                    "no request" if plan is None else f"a context of {plan.max_model_len} tokens",
                 )
+                plan, peak = kept, kept_peak
     if plan.max_model_len < max_model_len:
         log.warning(
             "the model's context of %d tokens does not fit the KV cache budget (%s); max_model_len is %d "
@@ -333,7 +336,7 @@ def plan_dtype(
     exist)."""
     tokens, rows, nodes = steps
     bs, elem, forward = model.block_size, model.dtype.itemsize, model.forward
-    gathered = pool_layouts(model)[0][2].itemsize  # what attention reads
+    gathered = model.kv_dtype.itemsize  # what attention reads
     block_bytes = pool_bytes(pool_layouts(model), bs)[1]
 
     exact = exact_scratch_bytes(model.dtype)  # seeded rows' float64 attention, which no step here runs
@@ -404,7 +407,7 @@ def extrapolated_peak(
     # Per column, what a CPU's steps surely hold: the prefill's mask and gathered keys/values (MLA's
     # expanded), the round's rows' masks and gathers (SDPA on a CPU takes GQA without expanding heads).
     forward = model.forward
-    elem = pool_layouts(model)[0][2].itemsize  # the gathered keys and values
+    elem = model.kv_dtype.itemsize  # the gathered keys and values
     read = forward.layout.elements_per_token() * elem
     per_column = max(
         tokens + (forward.gathered_bytes_per_column(elem) if forward.mla else read),
@@ -445,8 +448,7 @@ def profile_step(
             dropped = (len(feature_layers) - 1) * tokens * hidden_size * dtype.itemsize
             feature_layers = [len(forward.layers) - 1] * len(feature_layers)
     span = width * bs
-    kv_dtype = pool_layouts(model)[0][2]
-    cache = PagedKVCache(len(forward.layers), 1, bs, width, forward.layout, kv_dtype, device)
+    cache = PagedKVCache(len(forward.layers), 1, bs, width, forward.layout, model.kv_dtype, device)
     tables = torch.zeros(measured_rows, width + 1, dtype=torch.int64, device=device)  # [B, W + 1]: block 0
     keys = torch.arange(span, device=device)  # [span]
 

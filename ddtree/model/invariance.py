@@ -310,19 +310,19 @@ def exact_attention(
 
 
 def float64_columns(
-    keys: torch.Tensor, values: torch.Tensor | None, rows: torch.Tensor | None, once: bool
+    keys: torch.Tensor, values: torch.Tensor | int, rows: torch.Tensor | None, once: bool
 ) -> Chunk:
     """``attend64``'s chunks of ``keys`` / ``values`` [B, kv, S, D] (the exact ``rows`` of them): each a
     contiguous float64 copy (a strided one, the pool's [B, span, kv, D] read transposed, made every matmul
-    copy it again: 10 ms against 1.9 ms for 16 decode rows over 320 columns). ``values`` None: the first
-    columns of the keys' last dimension are the values (MLA's latents; ``chunk`` returns them whole).
-    ``once``: every column in one chunk, converted once for all query chunks."""
+    copy it again: 10 ms against 1.9 ms for 16 decode rows over 320 columns). ``values`` an int: the values
+    are the keys' first that many dimensions (MLA's latents, copied once). ``once``: every column in one
+    chunk, converted once for all query chunks."""
 
     def convert(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         k = keys[:, :, lo:hi] if rows is None else keys[rows, :, lo:hi]
         k = contiguous64(k, "keys")
-        if values is None:
-            return k, k
+        if isinstance(values, int):
+            return k, k[..., :values]
         v = values[:, :, lo:hi] if rows is None else values[rows, :, lo:hi]
         return k, contiguous64(v, "values")
 
@@ -368,13 +368,8 @@ def exact_latent_attention(
     rank, columns = w.shape[2], latent.shape[1]
     w = w.double()
     width = column_chunk(e, latent.shape[2], columns)
-    latents = latent[:, None]  # [B, 1, S, rank + rope]: one KV head
-    keys = float64_columns(latents, None, rows, width >= columns)
-
-    def chunk(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        lat = keys(lo, hi)[0]
-        return lat, lat[..., :rank]
-
+    # [B, 1, S, rank + rope]: one KV head, whose values are the latents' first ``rank`` dimensions
+    chunk = float64_columns(latent[:, None], rank, rows, width >= columns)
     step = query_chunk(e, heads, width)
     parts = []
     for lo in range(0, t, step):

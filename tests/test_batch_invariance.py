@@ -190,8 +190,9 @@ def test_a_context_in_column_chunks_gives_every_query_its_bits_alone(monkeypatch
 
 def test_the_exact_passes_float64_scratch_is_bounded_at_a_long_context():
     """Sixteen exact decode rows over 40,960 columns at Qwen3-0.6B's attention shapes (16 heads over 8 KV
-    heads of 128): their keys and values alone would take 10.7 GB in float64. The pass holds at most its
-    bound (``exact_scratch_bytes``), measured as the float64 buffers it keeps and the peak it reaches."""
+    heads of 128): their keys and values alone would take 10.7 GB in float64. The float64 buffers the pass
+    keeps stay within ``EXACT_BYTES``, and the plan's reserve (``exact_scratch_bytes``) is under 1 GiB in
+    bf16 and nothing in float32 (peaks measured beside it: docs/benchmarks.md, +40 MiB for 4 such rows)."""
     rows, heads, kv, d, span = 16, 16, 8, 128, 40_960
     keys = torch.zeros(1, span, kv, d, dtype=BF16).expand(rows, -1, -1, -1).transpose(1, 2)
     q = torch.randn(rows, heads, 1, d, dtype=BF16)

@@ -339,7 +339,10 @@ def plan_dtype(
     gathered = model.kv_dtype.itemsize  # what attention reads
     block_bytes = pool_bytes(pool_layouts(model), bs)[1]
 
-    exact = exact_scratch_bytes(model.dtype)  # seeded rows' float64 attention, which no step here runs
+    # seeded rows' float64 attention, which no step here runs (MLA's: with kv_b_proj in float64)
+    mla = forward.mla
+    latent_weight = forward.num_heads * (forward.nope_dim + forward.v_dim) * forward.rank if mla else 0
+    exact = exact_scratch_bytes(model.dtype, latent_weight)
 
     def activations(length: int) -> int:
         column, absorbed = (forward.gathered_bytes_per_column(gathered, absorbed=a) for a in (False, True))

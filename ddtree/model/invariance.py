@@ -209,10 +209,13 @@ EXACT_SCORES = 1 << 22
 SCORE_COPIES = 4
 
 
-def exact_scratch_bytes(dtype: torch.dtype) -> int:
+def exact_scratch_bytes(dtype: torch.dtype, weight_values: int = 0) -> int:
     """Bytes a forward's exact rows may hold beyond its own activations, for a model computing in
-    ``dtype`` (none in float32: no row is exact there)."""
-    return EXACT_BYTES + SCORE_COPIES * 8 * EXACT_SCORES if dtype in HALF_PRECISION else 0
+    ``dtype`` (none in float32: no row is exact there) whose exact pass converts a weight of
+    ``weight_values`` values to float64 (MLA's kv_b_proj: Kimi K2's is 67 MB so)."""
+    if dtype not in HALF_PRECISION:
+        return 0
+    return EXACT_BYTES + SCORE_COPIES * 8 * EXACT_SCORES + 8 * weight_values
 
 
 # Query rows up to which the scores are computed as keys @ q^T. MKL's float64 GEMM with two rows (a decode
@@ -373,14 +376,23 @@ def exact_latent_attention(
     step = query_chunk(e, heads, width)
     parts = []
     for lo in range(0, t, step):
-        q_lat = torch.matmul(q_nope[:, :, lo : lo + step].double(), w[:, :nope])  # [E, heads, C, rank]
+        q_lat = per_head(q_nope[:, :, lo : lo + step].double(), w[:, :nope])  # [E, heads, C, rank]
         q = torch.cat((q_lat, q_rot[:, :, lo : lo + step].double()), dim=-1)  # [E, heads, C, rank + rope]
         c = q.shape[2]
         seen = mask[:, :, None, lo : lo + step].expand(e, 1, heads, c, -1).reshape(e, 1, heads * c, -1)
         out = attend64(q.reshape(e, 1, heads * c, -1), chunk, columns, width, seen, scale)
         out = out.view(e, heads, c, rank)  # in the latent space
-        parts.append(torch.matmul(out, w[:, nope:].transpose(1, 2)).to(q_nope.dtype))  # [E, heads, C, v]
+        parts.append(per_head(out, w[:, nope:].transpose(1, 2)).to(q_nope.dtype))  # [E, heads, C, v]
     return torch.cat(parts, dim=2)
+
+
+def per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [E, heads, C, K] @ w [heads, K, N] -> [E, heads, C, N] as one matmul per head over E * C rows.
+    ``torch.matmul`` broadcasting E over w copies w once per row (Kimi K2's W_UK in float64: 33 MB a row,
+    +131 MiB at 4 rows)."""
+    e, heads, c, k = x.shape
+    out = torch.matmul(x.transpose(0, 1).reshape(heads, e * c, k), w)  # [heads, E * C, N]
+    return out.view(heads, e, c, -1).transpose(0, 1)
 
 
 @dataclass

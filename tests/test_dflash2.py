@@ -311,6 +311,31 @@ def test_edge_scores_match_the_low_rank_pair_score(builtin, checkpoints):
     torch.testing.assert_close(normalized.exp().sum(-1), torch.ones(b_, length, k))
 
 
+def test_a_sampled_rows_lattice_edges_are_the_whole_vocabularys_conditional(builtin, checkpoints):
+    """A sampled row's edge (p -> c) is the probability of c after p over the whole vocabulary: each
+    candidate's edge score, every other token its draft logit (the oracle builds that distribution token by
+    token). A greedy row's edges stay normalised over the candidates, bit for bit as without the flag."""
+    target, _ = builtin
+    drafter = load_drafter(checkpoints["random"])
+    hidden = block_hidden(drafter, target)  # [2, S, H]
+    head = target.lm_head.weight.detach()
+    logits = hidden[:, 1:] @ head.T  # [2, L, V] the LM head's, as the engine passes them
+    anchors = torch.tensor([7, 9])
+    plain_ids, plain_edges = drafter.lattice(hidden[:, 1:], logits, anchors)
+    ids, edges = drafter.lattice(hidden[:, 1:], logits, anchors, torch.tensor([True, False]))
+    assert torch.equal(ids, plain_ids) and torch.equal(edges[1], plain_edges[1])
+    scores = drafter.edge_scores(hidden, ids, drafter.draft_logits(logits).gather(-1, ids), anchors)
+    drafted = drafter.draft_logits(logits)[0].double()  # [L, V]
+    _, length, k = ids.shape
+    for position in range(length):
+        for p in range(k):
+            law = drafted[position].clone()  # [V]: the non-candidates keep their draft logits
+            law[ids[0, position]] = scores[0, position, p].double()
+            expected = torch.log_softmax(law, dim=-1)[ids[0, position]]  # [K]
+            torch.testing.assert_close(edges[0, position, p].double(), expected, rtol=0, atol=2e-5)
+    assert (edges[0].exp().sum(-1) < 1 - 1e-3).all()  # the candidates do not hold all the mass here
+
+
 # -- a Qwen3-sized vocabulary ------------------------------------------------------------------------------
 
 

@@ -229,31 +229,33 @@ def test_greedy_methods_with_a_dflash2_drafter_emit_the_targets_tokens(builtin_p
 @pytest.mark.parametrize("method", ["ddtree", "dflash"])
 def test_the_engines_trees_are_the_oracles_over_the_drafted_lattice(builtin_pair, method, monkeypatch):
     """Every round's tree is the exhaustive oracle's over the lattice the drafter gave that round (for
-    ``dflash``: branching 1, the greedy edge after each choice), anchored at the row's root."""
+    ``dflash``: branching 1, the greedy edge after each choice), anchored at the row's root; greedy and
+    sampled rows (whose edges are normalised over the vocabulary) alike."""
     lattices, rounds = [], []
     lattice, trees = DFlash2Drafter.lattice, Proposer.trees
 
-    def spy_lattice(self, hidden, logits, anchors):
-        ids, edges = lattice(self, hidden, logits, anchors)
-        lattices.append((ids, edges, anchors))
+    def spy_lattice(self, hidden, logits, anchors, whole=None):
+        ids, edges = lattice(self, hidden, logits, anchors, whole)
+        lattices.append((ids, edges, anchors, whole))
         return ids, edges
 
     def spy_trees(self, rows, drafting, hidden):
         built = trees(self, rows, drafting, hidden)
         # per drafting row: its row, budget and depth as the proposer asks (the room is never short here)
-        asked = [(rows.index(r), self.budget(r), self.depth(r)) for r in drafting]
+        asked = [(rows.index(r), self.budget(r), self.depth(r), r.params.greedy) for r in drafting]
         rounds.append((len(lattices), asked, built))
         return built
 
     monkeypatch.setattr(DFlash2Drafter, "lattice", spy_lattice)
     monkeypatch.setattr(Proposer, "trees", spy_trees)
     engine = Engine(*builtin_pair, method=method, budget=5, max_num_seqs=len(PROMPTS))
-    engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW))
+    engine.generate(PROMPTS, [SamplingParams(max_new_tokens=NEW, temperature=i % 2) for i in range(3)])
     drafted = [(lattices[n - 1], asked, built) for n, asked, built in rounds if asked]
     assert len(drafted) >= 3 and len(lattices) == len(drafted)
-    for (ids, edges, anchors), asked, built in drafted:
-        for d, (b, budget, depth) in enumerate(asked):
+    for (ids, edges, anchors, whole), asked, built in drafted:
+        for d, (b, budget, depth, greedy) in enumerate(asked):
             assert int(built.tokens[b, 0]) == int(anchors[d])
+            assert (whole is not None and bool(whole[d])) != greedy  # sampled rows: edges over the vocabulary
             budget, topk = (depth, 1) if method == "dflash" else (budget, budget)
             assert tree_paths(built, b) == expected_paths(edges[d], ids[d], budget, topk, depth)
 

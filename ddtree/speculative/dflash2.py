@@ -274,16 +274,37 @@ class DFlash2Drafter(DFlashDrafter):
         return torch.log_softmax(self.edge_scores(*args), dim=-1)
 
     def lattice(
-        self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        anchors: torch.Tensor,
+        whole: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The lattice the engine's trees are drafted over: candidate ids [B, L, K] and edge log-probs
         [B, L, K, K] (``edge_log_probs``'s layout) of drafted positions' hidden states ``hidden`` [B, L, H]
         (the block less its bonus token), from the LM head's ``logits`` [B, L, V] as the engine has them
-        (penalised, grammar-masked) and the bonus tokens ``anchors`` [B]."""
-        values, ids = torch.topk(self.draft_logits(logits), self.settings.top_k, dim=-1)  # [B, L, K]
+        (penalised, grammar-masked) and the bonus tokens ``anchors`` [B].
+
+        Rows in ``whole`` [B] bool (sampled rows) normalise each edge over the whole vocabulary: the K
+        candidates with their edge scores, every other token with its draft logit (the selector scores
+        candidates only). A sampled row's tree is worth the target's probability of its paths, and an edge
+        normalised over the candidates alone claims they hold all the mass, which at T = 1 they do not, so
+        deep nodes looked likelier than they are: tau at T = 1 1.530 -> 1.562 on the built-in pair, T = 0.7
+        + top-p unchanged. Greedy rows keep the candidates' normalisation, whose confidence in depth suits
+        an argmax chain (the whole vocabulary's: tau 5.61 -> 5.35 at T = 0; ``docs/benchmarks.md``)."""
+        drafted = self.draft_logits(logits)  # [B, L, V]
+        values, ids = torch.topk(drafted, self.settings.top_k, dim=-1)  # [B, L, K]
         previous = self.candidate_selector.lattice_predecessors(ids, anchors)  # [B, L, K]
         scores = self.candidate_selector(hidden, ids, values, previous)  # [B, L, K, K]
-        return ids, torch.log_softmax(scores, dim=-1)
+        edges = torch.log_softmax(scores, dim=-1)  # [B, L, K, K] over the candidates
+        if whole is None:
+            return ids, edges
+        # log of the mass outside the candidates, from the drafter's own logits (-inf: they hold it all)
+        full, top = torch.logsumexp(drafted, dim=-1), torch.logsumexp(values.float(), dim=-1)  # [B, L]
+        rest = full + torch.log1p(-torch.exp(top - full).clamp(max=1.0))
+        rest = torch.where(whole[:, None], rest, float("-inf"))[:, :, None, None]  # [B, L, 1, 1]
+        # log(candidates' mass + rest) - log(candidates' mass): 0 where rest is -inf (greedy rows' bits)
+        return ids, edges - F.softplus(rest - torch.logsumexp(scores, dim=-1, keepdim=True))
 
     # -- checkpoint I/O in the public DFlash2 format --------------------------------------------------
 

@@ -245,7 +245,8 @@ def test_a_compiled_decode_step_makes_the_same_few_eager_calls_whatever_the_budg
         )
         assert counter.calls == dict.fromkeys(graphs, 3)
         assert counter.ops["aten.index_put_"] == counter.ops["aten.index"] == 0  # no move outside a graph
-    bound = 80 if sampled else 60  # two rows' slots, uploads, candidates; sampled: the coins
+    # two rows' slots, uploads, candidates; sampled: the coins and the lattice's whole-vocabulary edges
+    bound = 90 if sampled else 60
     assert max(counts.values()) <= bound and max(counts.values()) - min(counts.values()) <= 0.15 * bound
     eager_ops, _ = ops_per_step(eager, 256)
     assert eager_ops > 4 * counts[256]

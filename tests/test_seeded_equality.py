@@ -125,6 +125,31 @@ def test_preemption_and_a_prefix_cache_hit_change_no_seeded_token(engine):
     assert_same_or_ties(engine, prompts[0], sps[0], expected[0], again.token_ids)
 
 
+def test_a_chunked_prefill_changes_no_seeded_token(engine):
+    """Prompts longer than a step's token budget are prefilled in several chunks, beside other rows'
+    rounds: each seeded row, of every method, still emits its plain tokens of an unchunked prefill."""
+    chunked = Engine(
+        engine.target, engine.runner.drafter, engine.tokenizer, max_num_seqs=4, max_num_batched_tokens=24,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    prompts = [p * 12 for p in PROMPTS]  # 36 to 132 tokens
+    assert all(len(engine.encode(p)) > 24 for p in prompts)
+    sps = [params("T=0.8 top-k", 300 + i) for i in range(len(prompts))]
+    expected = [engine.generate(p, sp, method="ar").token_ids for p, sp in zip(prompts, sps, strict=True)]
+    prefill, chunks = chunked.runner.prefill, []
+
+    def spy(batch, tables, **options):
+        chunks.extend(len(ids) for ids, _ in batch)
+        return prefill(batch, tables, **options)
+
+    chunked.runner.prefill = spy
+    for method, budget in [("ar", None), *RUNS]:
+        results = chunked.generate(prompts, sps, method=method, budget=budget)
+        for p, sp, ar, r in zip(prompts, sps, expected, results, strict=True):
+            assert_same_or_ties(engine, p, sp, ar, r.token_ids)
+    assert max(chunks) <= 24 and len(chunks) >= 2 * len(prompts) * (1 + len(RUNS))  # every prompt chunked
+
+
 def test_a_position_reused_coin_is_a_different_sampler(engine, monkeypatch):
     """The equality above is no accident of the models: with every position given position 0's coin the
     seeded outputs change (the statistical check of that mutation: test_sampling_lossless.py)."""

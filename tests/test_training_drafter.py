@@ -27,6 +27,7 @@ from ddtree.training.drafter import (
     block_inputs,
     build_drafter,
     default_gamma,
+    drafter_loss,
     load_frozen_target,
     loss_weights,
     make_optimizer,
@@ -36,6 +37,7 @@ from ddtree.training.drafter import (
     selector_loss,
     start_from,
     target_features,
+    target_outputs,
     teacher_log_probs,
     train_drafter,
     train_step,
@@ -387,6 +389,26 @@ def test_kl_objective_is_the_divergence_from_the_targets_distribution() -> None:
     torch.testing.assert_close(position_loss(logits, labels, None).double(), ce, rtol=1e-5, atol=1e-6)
 
 
+def test_the_both_objective_adds_the_token_and_distribution_losses(target_dir: Path) -> None:
+    """``both`` is the argmax loss plus the kl loss, block and selector terms alike, over the same blocks (a
+    DFlash2 drafter: each objective has a selector term)."""
+    target, _ = load_frozen_target(target_dir)
+    drafter = build_drafter(target, DrafterConfig(**{**TOY, "architecture": "dflash2"}), MASK)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, MASK, (2, 16), generator=gen)
+    anchors, valid = sample_anchors(torch.tensor([16, 16]), torch.tensor([4, 4]), 4, 3, gen)
+    features, logits = target_outputs(target, drafter, ids)
+    parts = (target.get_input_embeddings(), target.get_output_embeddings(), features, ids, anchors, valid)
+    common = (*parts, loss_weights(4), MASK)
+
+    def loss(teacher: torch.Tensor | None, tokens_too: bool = False) -> torch.Tensor:
+        return drafter_loss(drafter, *common, teacher, 0.7, tokens_too=tokens_too)[0]
+
+    argmax, kl, both = loss(None), loss(logits), loss(logits, tokens_too=True)
+    assert argmax > 0 and kl > 0
+    torch.testing.assert_close(both, argmax + kl)
+
+
 def test_teacher_log_probs_come_from_the_position_before_each_label(target_dir: Path) -> None:
     """The target's distribution for block position k is its output at anchor + k - 1, at the temperature."""
     gen = torch.Generator().manual_seed(1)
@@ -454,14 +476,15 @@ def test_selector_scores_the_true_predecessor_as_the_lattice_does(target_dir: Pa
     assert torch.equal(correct, forced.argmax(-1) == 2)
 
 
-def test_toy_dflash2_kl_run_learns_and_decodes_losslessly(
-    target_dir: Path, dflash_dir: Path, prompts_file: Path, toy_run: dict, tmp_path: Path
+@pytest.mark.parametrize("objective", ["kl", "both"])
+def test_toy_dflash2_distilled_run_learns_and_decodes_losslessly(
+    target_dir: Path, dflash_dir: Path, prompts_file: Path, toy_run: dict, tmp_path: Path, objective: str
 ) -> None:
-    """A DFlash2 drafter distilled from the target's distribution, started from a DFlash drafter: the loss
-    falls, it saves in the public DFlash2 format, loads as one, and decodes exactly the target's tokens."""
-    cfg = DrafterConfig(
-        **{**TOY, "steps": 40, "architecture": "dflash2", "objective": "kl", "init_from": str(dflash_dir)}
-    )
+    """A DFlash2 drafter distilled from the target's distribution (alone, or with its tokens), started from
+    a DFlash drafter: the loss falls, it saves in the public DFlash2 format, loads as one, and decodes
+    exactly the target's tokens."""
+    run = {"steps": 40, "architecture": "dflash2", "objective": objective, "init_from": str(dflash_dir)}
+    cfg = DrafterConfig(**{**TOY, **run})
     data = toy_run["base"] / "work" / "data.pt"
     m = train_drafter(
         target_dir, tmp_path / "out", cfg, prompts=prompts_file, work_dir=tmp_path, data_path=data

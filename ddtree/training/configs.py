@@ -90,8 +90,8 @@ DRAFTER_HELP = {
     "eval_new_tokens": "tokens generated per held-out prompt",
     "eval_budget": "ddtree budget of the final evaluation",
     "architecture": "drafter family: dflash, or dflash2 (grouped convolutions and a candidate selector)",
-    "objective": "what the drafter learns of the target: argmax (its tokens) or kl (its whole "
-    "distribution at --distill-temperature)",
+    "objective": "what the drafter learns of the target: argmax (its tokens), kl (its whole "
+    "distribution at --distill-temperature) or both (the two losses added)",
     "distill_temperature": "temperature of the target distribution the kl objective distils",
     "init_from": "start from this drafter directory (its shape wins: layers, block, feature layers, mask "
     "token); dflash2 from a DFlash drafter starts as that drafter (identity convolutions)",
@@ -103,7 +103,7 @@ DRAFTER_HELP = {
 
 
 ARCHITECTURES = ("dflash", "dflash2")
-OBJECTIVES = ("argmax", "kl")
+OBJECTIVES = ("argmax", "kl", "both")
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ class DrafterConfig:
     eval_budget: int = 32
     # the drafter family and the objective
     architecture: str = "dflash"  # or "dflash2"
-    objective: str = "argmax"  # or "kl": the target's whole distribution
+    objective: str = "argmax"  # or "kl": the target's whole distribution; "both": the two losses added
     distill_temperature: float = 1.0
     init_from: str = ""  # a drafter directory to start from; "" = fresh weights
     conv_kernel_size: int = 4

@@ -57,12 +57,13 @@ def test_a_cached_prompt_is_scored_whole_and_its_blocks_stay_shared(engine):
 def test_preempted_scoring_requests_score_each_prompt_token_once(engine):
     small = Engine(
         engine.target, engine.runner.drafter, engine.tokenizer, max_num_seqs=4, max_model_len=256,
-        max_num_batched_tokens=48, kv_cache_memory=20 * 16 * engine.runner.kv_cache_bytes_per_token * 2,
+        max_num_batched_tokens=48, kv_cache_memory=18 * 16 * engine.runner.kv_cache_bytes_per_token * 2,
     )  # fmt: skip
     prompts = [PROMPT[i:] for i in range(4)]
-    # a fixed budget: trees that budget "auto" sizes by timing and by the drafter took too few columns to
-    # preempt once the built-in drafter changed (the trees' widths decide when the pool runs out)
-    params = SamplingParams(max_new_tokens=60, prompt_logprobs=1)
+    # ~125 prompt tokens, 100 new and a 17-node tree: a request ends in 15-16 of the pool's 18 blocks, so two
+    # never both finish without a preemption, whatever the timing (with 20 blocks, 60 new tokens and budget
+    # "auto", whose trees follow timing and the drafter, a loaded CI box ran them without one)
+    params = SamplingParams(max_new_tokens=100, prompt_logprobs=1)
     results = small.generate(prompts, params, method="ddtree", budget=16)
     assert small.num_preemptions > 0
     for prompt, result in zip(prompts, results, strict=True):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -11,12 +12,18 @@ import pytest
 import torch
 
 from ddtree.bench.cli import DEFAULT_BUDGETS
-from ddtree.cli import build_parser
+from ddtree.cli import build_parser, main
 from ddtree.engine import Engine
 from ddtree.engine.auto_budget import AUTO_MAX_BACKOFF, AutoRound
 from ddtree.engine.verifier import Verdicts
 from ddtree.request.params import AUTO, SamplingParams
-from ddtree.speculative.budget import AcceptanceCalibration, CostModel, LinearCost, tree_acceptance
+from ddtree.speculative.budget import (
+    AcceptanceCalibration,
+    CostModel,
+    LinearCost,
+    rate_upper,
+    tree_acceptance,
+)
 from tests.conftest import tiny_drafter, tiny_target
 
 BIG_VOCAB = 2048  # a random drafter's first token matches the target's about once in this many rounds
@@ -30,11 +37,11 @@ def test_auto_is_the_default_budget_of_the_engine_and_every_command():
     assert DEFAULT_BUDGETS.split(",")[0] == AUTO
 
 
-def test_a_drafter_that_is_never_accepted_settles_on_plain_rounds_says_why_once_and_equals_ar(caplog):
+def test_a_drafter_that_is_never_accepted_settles_on_plain_rounds_warns_once_and_equals_ar(caplog):
     target = tiny_target(vocab=BIG_VOCAB)
     engine = Engine(target, tiny_drafter(target))  # random weights: its drafts are not the target's
     prompt, params = list(range(3, 11)), SamplingParams(max_new_tokens=240)
-    with caplog.at_level(logging.WARNING, logger="ddtree"):
+    with caplog.at_level(logging.DEBUG, logger="ddtree"):
         result = engine.generate(prompt, params)
     plain = engine.generate(prompt, params, method="ar")
     assert result.token_ids == plain.token_ids
@@ -43,22 +50,58 @@ def test_a_drafter_that_is_never_accepted_settles_on_plain_rounds_says_why_once_
     # most, none of them after the first quarter but the probes.
     assert drafted.sum() <= 24 and drafted[len(drafted) // 4 :].sum() <= 4, result.stats.drafted_nodes
     status = result.stats.auto
-    assert not status.drafting and status.first_draft_acceptance < 0.1
-    assert "drafts are rarely accepted" in status.reason and "trained for this target" in status.reason
-    said = [r.getMessage() for r in caplog.records if "rarely accepted" in r.getMessage()]
-    assert len(said) == 1, said  # once, not every round
+    assert not status.drafting and status.first_drafts >= 4 and status.first_draft_acceptance < 0.1
+    # One row's few first drafts (about ten in 240 tokens) are no proof that the drafter does not fit: the
+    # reason says what was measured, a pause is logged at debug level, and a warning comes once the probes
+    # have failed for a whole doubling.
+    assert status.reason.startswith("drafting does not pay here") and "0 of " in status.reason
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "does not pay" in warned[0], warned  # once, not every round
+    assert any(r.levelno == logging.DEBUG and "budget auto" in r.getMessage() for r in caplog.records)
     # The next request starts in the stretch: it probes, it does not draft from its first round.
     again = engine.generate(list(range(20, 28)), SamplingParams(max_new_tokens=60))
     assert sum(n > 0 for n in again.stats.drafted_nodes) <= 2
 
 
-def test_sampled_rows_whose_drafts_are_rarely_the_targets_sample_blame_the_settings_not_the_drafter():
+@pytest.mark.parametrize(
+    ("params", "blames"),
+    [
+        (SamplingParams(max_new_tokens=64), "trained for this target"),
+        (SamplingParams(temperature=1.0, seed=0, max_new_tokens=64), "sampling settings"),
+    ],
+)
+def test_a_batch_of_missed_first_drafts_says_the_drafts_are_rarely_accepted_and_whom_to_blame(
+    caplog, params, blames
+):
+    """Eight rows give the evidence one row takes hundreds of rounds to gather: dozens of first drafts, none
+    the target's, put the rate's upper confidence bound under 0.1. Greedy rows blame the drafter; sampled
+    rows, whose rare acceptance may be the target's own entropy at their settings, blame the settings."""
     target = tiny_target(vocab=BIG_VOCAB)
     engine = Engine(target, tiny_drafter(target))
-    result = engine.generate(list(range(3, 11)), SamplingParams(temperature=1.0, seed=0, max_new_tokens=240))
-    status = result.stats.auto
-    assert not status.drafting and "drafts are rarely accepted" in status.reason
-    assert "sampling settings" in status.reason and "trained for this target" not in status.reason
+    prompts = [list(range(3 + i, 11 + i)) for i in range(8)]
+    with caplog.at_level(logging.WARNING, logger="ddtree"):
+        results = engine.generate(prompts, params)
+    status = engine.auto.status
+    assert not status.drafting and status.first_drafts >= 37 and status.first_drafts_accepted == 0
+    assert status.reason.startswith("drafts are rarely accepted") and blames in status.reason
+    said = [r.getMessage() for r in caplog.records if "rarely accepted" in r.getMessage()]
+    assert len(said) == 1, said
+    other = "sampling settings" if blames == "trained for this target" else "trained for this target"
+    assert other not in status.reason
+    if params.greedy:
+        assert [r.token_ids for r in results] == [r.token_ids for r in engine.generate(prompts, params, "ar")]
+
+
+def test_the_rarely_accepted_bound_is_seldom_below_the_true_rate():
+    """``rate_upper`` at z = 2 is an upper confidence bound: for a drafter accepted at exactly the threshold
+    (0.1), a verdict that the rate is below it comes in about 2% of runs of any length, never in most (as
+    the rate alone did: 1 of 15 first drafts is 0.07). A bound of the rate itself fails this."""
+    rng = np.random.default_rng(0)
+    for trials in (4, 15, 40, 64):
+        hits = rng.binomial(trials, 0.1, size=20_000)
+        wrong = np.mean([rate_upper(int(h), trials, 2.0) < 0.1 for h in hits])
+        assert wrong < 0.05, (trials, wrong)
+    assert rate_upper(1, 15, 2.0) > 0.1 and rate_upper(0, 64, 2.0) < 0.1
 
 
 def test_stretches_grow_past_the_doubling_cap_while_a_probe_costs_more_than_two_percent():
@@ -106,7 +149,7 @@ def test_the_builtin_pair_keeps_drafting_and_equals_ar():
     drafted = np.array(result.stats.drafted_nodes) > 0
     assert drafted.mean() >= 0.75 and result.stats.tau > 2.0, result.stats.drafted_nodes
     auto = result.stats.auto
-    assert auto.plain_rounds == 0 and auto.reason.startswith("drafting")
+    assert auto.drafting and auto.reason.startswith("drafting")
     # the drafter's first token is the target's about 0.6 of the time here (0.62-0.65 measured on an idle
     # machine), counted over the 17-20 rounds auto drafts: the trees it picks follow the machine's timing,
     # so the rounds, and the count, move (9 of 19 on a loaded CI box). A drafter that does not fit sits
@@ -154,3 +197,17 @@ def test_a_first_draft_that_was_not_verified_still_teaches_the_calibration(commi
     assert count[at] - prior_count[at] == 1 and hits[at] - prior_hits[at] == hit
     assert (count - prior_count).sum() == 1  # the sibling (0.2) is not observed
     assert engine.auto.status.first_drafts == 1 and engine.auto.status.first_drafts_accepted == hit
+
+
+def test_the_readmes_quick_start_drafts_and_warns_of_nothing(capsys, caplog):
+    """Issue 46: the newcomer's first command, exactly as the README gives it. Its greedy text opens on a
+    stretch the built-in drafter misses (1 of its first 15 first drafts), where auto may pause for a few
+    rounds; then it drafts on. Auto once read those misses as a drafter that does not fit and ran plain
+    decoding for the rest of the output (3 of 4 runs), and it warned of a pause that later probes undid."""
+    with caplog.at_level(logging.DEBUG, logger="ddtree"):
+        main(["generate", "def fibonacci(n):", "--stats"])
+    err = capsys.readouterr().err
+    stats = json.loads(err[err.index("{") :])
+    assert stats["auto"]["drafting"] and stats["tau"] > 2.0, stats
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "budget auto" not in err

@@ -310,8 +310,8 @@ def test_auto_rows_catch_up_a_long_backlog_with_repeated_fixed_passes(eager: Eng
 
     padded.proposer.draft_pass = spy
     params = SamplingParams(max_new_tokens=90)
-    # A prompt whose first drafts the built-in drafter gets right: on one whose first drafts all miss,
-    # auto rightly blames the drafter ("rarely accepted") and takes its longest stretch at once.
+    # A prompt whose first drafts the built-in drafter gets right: probes that all miss would teach
+    # nothing of the backlog's catch-up.
     got = padded.generate(PROMPTS[1], params)
     assert got.token_ids == eager.generate(PROMPTS[1], params, method="ar").token_ids
     rounds = [n for n, fixed in passes if fixed]

@@ -39,6 +39,7 @@ from ddtree.speculative.budget import (
     MovingRatio,
     choose_counts,
     conditional_probs,
+    rate_upper,
     tree_acceptance,
 )
 from ddtree.speculative.tree import TreeBatch
@@ -50,8 +51,11 @@ PROBE_SHARE = 0.02  # ... this share of the plain rounds between two probes
 START_WIDTH = 8  # drafted nodes a new request starts from (while drafting pays)
 RECENT = 0.3  # weight of the newest drafting round in the moving average that decides
 SURE = 2.0  # drafting stops when the average's upper bound (this many standard errors) is below plain's
-RARELY_ACCEPTED = 0.1  # below this rate of accepted first drafts, the drafter does not fit the target
-EVIDENCE = 4  # first drafts seen before the rate is trusted
+# below this rate of accepted first drafts (its upper confidence bound at SURE), the drafter does not fit the
+# target. The bound, not the rate: the README's quick start opens on a text the built-in drafter misses (1 of
+# its first 15 first drafts) before a stretch it drafts at tau 3.4, and the rate alone gave up for good there
+RARELY_ACCEPTED = 0.1
+EVIDENCE = 4  # first drafts seen before the reason quotes the measured rate
 # A row rests alone only while its drafts are expected to bring fewer tokens a round than this, whatever its
 # drafter row costs: resting greedy rows whenever their drafts looked worth less than their drafter row
 # (0.5-3 tokens at 16 rows here) ran greedy c = 16 at 1.91-2.09x `ar` against 2.20x without rests.
@@ -199,9 +203,9 @@ class AutoBudget:
         rate = s.first_draft_acceptance if s.first_drafts >= EVIDENCE else None  # trusted once measured
         counts = f"{s.first_drafts_accepted} of {s.first_drafts}"
         seen = f"the drafter's first token was the target's in {counts} rounds"
-        if rate is not None and rate < RARELY_ACCEPTED:
+        if rate_upper(s.first_drafts_accepted, s.first_drafts, SURE) < RARELY_ACCEPTED:
             greedy = [accepted for is_greedy, accepted in self._first if is_greedy]
-            if len(greedy) >= EVIDENCE and sum(greedy) < RARELY_ACCEPTED * len(greedy):
+            if rate_upper(sum(greedy), len(greedy), SURE) < RARELY_ACCEPTED:
                 advice = "check that the drafter was trained for this target"
             else:  # sampled rows: the target's own entropy at these settings, not the drafter, is the cause
                 advice = "at these sampling settings the target's next token is rarely the drafter's guess"
@@ -218,11 +222,20 @@ class AutoBudget:
         )
 
     def _say(self, drafting: bool, kind: str, reason: str) -> None:
-        """Record the decision; the first time a kind of reason to run plain comes up, log it in words."""
+        """Record the decision; warn in words, once per kind, when running plain is a verdict rather than a
+        pause: the drafter surely does not fit, or probes have failed for a whole doubling (1 + 2 + ... + 128
+        rounds). A pause a probe may soon end is routine and logged at debug level: the README's quick start
+        pauses for 7 rounds on a stretch of text the built-in drafter misses, then drafts on at tau 3, and a
+        warning that drafting does not pay was the first thing a newcomer read (issue 46)."""
         self.status.drafting, self.status.reason = drafting, reason
-        if not drafting and kind not in self._said:
+        if drafting:
+            return
+        lasting = kind == "rarely accepted" or self._auto_backoff >= AUTO_MAX_BACKOFF
+        if lasting and kind not in self._said:
             self._said.add(kind)
             logger.warning("budget auto: %s", reason)
+        else:
+            logger.debug("budget auto: %s", reason)
 
     def _expected_accepts(self, r: Request, seen: AutoRound, i: int) -> np.ndarray:
         """[m] P(accepted) of row i's candidate nodes, root first."""

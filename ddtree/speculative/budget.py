@@ -137,6 +137,17 @@ class MovingRatio:
         return self.mean + z * (var / samples) ** 0.5
 
 
+def rate_upper(successes: int, trials: int, z: float) -> float:
+    """The Wilson score interval's upper end for a rate seen ``successes`` times in ``trials``: how high the
+    rate may still be. A few trials say little (0 of 4 leaves 0.5 at z = 2), so a verdict that the rate is
+    low waits until even this bound is low."""
+    if trials == 0:
+        return 1.0
+    p, q = successes / trials, z * z / trials
+    centre, spread = p + q / 2, z * (p * (1 - p) / trials + q / (4 * trials)) ** 0.5
+    return min((centre + spread) / (1 + q), 1.0)
+
+
 class AcceptanceCalibration:
     """P(a drafted node is accepted | its parent was, and the drafter's probability of its token given the
     parent), learned per kind ("greedy", "sampled").

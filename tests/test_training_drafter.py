@@ -467,7 +467,7 @@ def test_selector_scores_the_true_predecessor_as_the_lattice_does(target_dir: Pa
     # labels: the anchor, then each position's candidate number 2 (so every predecessor is a candidate)
     labels = torch.cat((torch.randint(0, MASK, (5, 1), generator=gen), ids[:, :, 2]), dim=1)
     lattice = drafter.edge_scores(hidden, ids, values, labels[:, 0])  # [N, 3, K, K]
-    loss, correct = selector_loss(drafter, hidden, logits, labels, None)
+    loss, correct = selector_loss(drafter, hidden, logits, labels, None, tokens=True)
     forced = drafter.candidate_selector(hidden[:, 1:], ids, values, labels[:, :-1, None])[:, :, 0]
     torch.testing.assert_close(forced[:, 0], lattice[:, 0, 0])  # after the anchor: every row alike
     torch.testing.assert_close(forced[:, 1:], lattice[:, 1:, 2])  # after candidate 2 of the position before

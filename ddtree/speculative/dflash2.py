@@ -300,7 +300,7 @@ class DFlash2Drafter(DFlashDrafter):
         if whole is None:
             return ids, edges
         # log of the mass outside the candidates, from the drafter's own logits (-inf: they hold it all)
-        full, top = torch.logsumexp(drafted, dim=-1), torch.logsumexp(values.float(), dim=-1)  # [B, L]
+        full, top = torch.logsumexp(drafted, dim=-1), torch.logsumexp(values, dim=-1)  # [B, L]
         rest = full + torch.log1p(-torch.exp(top - full).clamp(max=1.0))
         rest = torch.where(whole[:, None], rest, float("-inf"))[:, :, None, None]  # [B, L, 1, 1]
         # log(candidates' mass + rest) - log(candidates' mass): 0 where rest is -inf (greedy rows' bits)

@@ -258,11 +258,16 @@ def drafter_loss(
     def weighted(per_position: torch.Tensor) -> torch.Tensor:  # [N, S-1] -> the blocks' weighted mean
         return (per_position * w).sum() / (w.sum() * labels.shape[0])
 
-    loss = weighted(position_loss(logits, labels[:, 1:], teacher))
-    if teacher is not None and tokens_too:
+    # The objective's terms, one rule for the block and the selector: the tokens' cross-entropy (argmax,
+    # both) and the KL to the teacher (kl, both).
+    tokens_term = teacher is None or tokens_too
+    loss = logits.new_zeros(())
+    if teacher is not None:
+        loss = loss + weighted(position_loss(logits, labels[:, 1:], teacher))
+    if tokens_term:
         loss = loss + weighted(position_loss(logits, labels[:, 1:], None))
     if isinstance(drafter, DFlash2Drafter):
-        selector, correct = selector_loss(drafter, hidden, logits, labels, teacher, tokens_too)
+        selector, correct = selector_loss(drafter, hidden, logits, labels, teacher, tokens_term)
         loss = loss + weighted(selector)
     else:
         correct = logits.argmax(-1) == labels[:, 1:]  # [N, S-1]
@@ -288,8 +293,8 @@ def selector_loss(
     hidden: torch.Tensor,  # [N, S, H] block hidden states
     logits: torch.Tensor,  # [N, S-1, V] LM-head logits of block positions 1 .. S-1
     labels: torch.Tensor,  # [N, S] the block's tokens (position 0: the anchor)
-    teacher: torch.Tensor | None,  # [N, S-1, V] the target's log-probs, or None
-    tokens_too: bool = False,  # with a teacher: the argmax loss added (the "both" objective)
+    teacher: torch.Tensor | None,  # [N, S-1, V] the target's log-probs: the KL term, or None
+    tokens: bool,  # the tokens' cross-entropy term (``drafter_loss`` decides both terms)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The candidate selector's loss [N, S-1] and its greedy drafts' correctness [N, S-1] (no grad).
 
@@ -305,7 +310,7 @@ def selector_loss(
     target = labels[:, 1:]  # [N, L]
     hit = candidates == target[..., None]  # [N, L, K]
     loss = torch.zeros_like(scores[..., 0])  # [N, L]
-    if teacher is None or tokens_too:
+    if tokens:
         present = hit.any(-1)
         ce = F.cross_entropy(scores.flatten(0, 1), hit.float().argmax(-1).flatten(), reduction="none")
         loss = loss + ce.view_as(target) * present

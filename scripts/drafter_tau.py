@@ -86,16 +86,22 @@ def main() -> None:
                 taus[name].append(result.stats.tau)
                 texts[name].append(result.token_ids)
         first = next(iter(engines))
-        table[setting] = {
-            name: {
+        table[setting] = {}
+        for name, v in taus.items():
+            # paired per prompt against the first drafter: the prompts' own spread cancels
+            diffs = [a - b for a, b in zip(v, taus[first], strict=True)]
+            table[setting][name] = {
                 "tau": round(statistics.mean(v), 3),
                 "sem": round(statistics.stdev(v) / len(v) ** 0.5, 3),
+                "paired_diff": round(statistics.mean(diffs), 3),
+                "paired_sem": round(statistics.stdev(diffs) / len(diffs) ** 0.5, 3),
                 "seconds": round(seconds[name], 1),
                 "same_text_as_" + first: sum(a == b for a, b in zip(texts[name], texts[first], strict=True)),
             }
-            for name, v in taus.items()
-        }
-        row = "  ".join(f"{n} {r['tau']:.3f}+-{r['sem']:.3f}" for n, r in table[setting].items())
+        row = "  ".join(
+            f"{n} {r['tau']:.3f}+-{r['sem']:.3f} (paired {r['paired_diff']:+.3f}+-{r['paired_sem']:.3f})"
+            for n, r in table[setting].items()
+        )
         print(f"{setting}: {row}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -117,6 +117,20 @@ def test_calibration_starts_at_the_drafters_word_and_learns_the_real_rate():
     assert cal.calibrate("sampled", np.array([0.31]))[0] == pytest.approx(0.325)  # kinds are separate
 
 
+def test_forgetting_fades_what_was_observed_back_to_the_drafters_word():
+    """A record of misses (40 nodes at 0.62, none accepted) weighs less each round that forgets it: half
+    way back after ``forget(0.5)`` leaves 20 of them against the prior's 4, all the way after ``forget(0)``.
+    Forgetting the prior too, or nothing, fails this."""
+    cal = AcceptanceCalibration()
+    word = cal.calibrate("greedy", np.array([0.62]))[0]
+    cal.observe("greedy", np.full(40, 0.62), np.zeros(40, dtype=bool))
+    assert cal.calibrate("greedy", np.array([0.62]))[0] == pytest.approx(4 * word / 44)
+    cal.forget(0.5)
+    assert cal.calibrate("greedy", np.array([0.62]))[0] == pytest.approx(4 * word / 24)
+    cal.forget(0.0)
+    assert cal.calibrate("greedy", np.array([0.62]))[0] == pytest.approx(word)
+
+
 def test_greedy_auto_equals_plain_decoding(pair):
     target, drafter = pair
     engine = Engine(target, drafter, budget="auto")

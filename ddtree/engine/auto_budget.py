@@ -60,6 +60,10 @@ EVIDENCE = 4  # first drafts seen before the reason quotes the measured rate
 # drafter row costs: resting greedy rows whenever their drafts looked worth less than their drafter row
 # (0.5-3 tokens at 16 rows here) ran greedy c = 16 at 1.91-2.09x `ar` against 2.20x without rests.
 REST_WORTH = 0.25
+# The weight a round keeps of the calibration's observations so far (a memory of about 30 rounds: hundreds
+# of verified nodes at one row drafting, more in a batch): acceptance follows the text, which moves on. At 0.9
+# the low bins forgot their misses between a test's prompts and auto never chose an empty tree there.
+CALIBRATION_KEEP = 0.97
 
 
 @dataclass
@@ -251,6 +255,7 @@ class AutoBudget:
         exactly when it is the token the target committed next. (Only that one: whether any other
         unverified node would have been accepted depends on more than that token.) Returns the policy's
         state for the auto rows' stats (None: no auto row)."""
+        self.calibration.forget(CALIBRATION_KEEP)  # every round: the text moves on in plain rounds too
         if seen is not None:
             self._calibrate(rows, sizes, seen, verdicts)
         return self._record_rounds(rows, sizes, seen)

@@ -110,11 +110,11 @@ def test_stretches_grow_past_the_doubling_cap_while_a_probe_costs_more_than_two_
         verify=LinearCost(fixed=1e-3), draft=LinearCost(fixed=5e-2), overhead=LinearCost(), frozen=True
     )
     engine = Engine(target, tiny_drafter(target), cost_model=probe_costs_50_rounds)
-    engine.auto._auto_backoff = AUTO_MAX_BACKOFF  # as after a long run of failed probes
+    engine.auto._backoff["greedy"] = AUTO_MAX_BACKOFF  # as after a long run of failed probes
     engine.auto.status.drafting = False
     engine.generate(list(range(3, 11)), SamplingParams(max_new_tokens=4))  # its first round probes
-    assert engine.auto._auto_backoff == 2 * AUTO_MAX_BACKOFF
-    assert engine.scheduler.auto_skip >= 2 * AUTO_MAX_BACKOFF - 3
+    assert engine.auto._backoff["greedy"] == 2 * AUTO_MAX_BACKOFF
+    assert engine.scheduler.auto_skip["greedy"] >= 2 * AUTO_MAX_BACKOFF - 3
 
 
 def test_when_drafting_does_not_pay_the_reason_gives_the_measured_acceptance_not_one_rounds_guess():
@@ -210,3 +210,18 @@ def test_the_readmes_quick_start_drafts_and_warns_of_nothing(capsys, caplog):
     assert stats["auto"]["drafting"] and stats["tau"] > 2.0, stats
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert "budget auto" not in err
+
+
+def test_a_greedy_request_drafts_while_sampled_rows_sit_out_their_stretch():
+    """Stretches are per kind: sampled rows' rare acceptance says nothing of a greedy row's. One stretch for
+    every auto row made the bench's greedy prompt that followed a sampled one run plain for 8-127 rounds,
+    tau 1.0 where it drafts at 12.7. A sampled request in the same stretch still sits it out."""
+    engine = Engine.from_pretrained(dtype=torch.float32)
+    engine.auto.status.drafting = False  # as after sampled rows' drafts stopped paying
+    engine.scheduler.auto_skip = {"sampled": 100}
+    greedy = engine.generate("def fibonacci(n):\n    ", SamplingParams(max_new_tokens=48))
+    assert sum(n > 0 for n in greedy.stats.drafted_nodes[:4]) >= 2, greedy.stats.drafted_nodes
+    assert greedy.stats.tau > 2.0
+    sampled = engine.generate("import os\n", SamplingParams(temperature=0.7, seed=0, max_new_tokens=16))
+    assert engine.scheduler.auto_skip.get("sampled", 0) > 0
+    assert all(n == 0 for n in sampled.stats.drafted_nodes), sampled.stats.drafted_nodes

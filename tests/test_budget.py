@@ -153,7 +153,7 @@ def stretched(pair, rounds: int) -> tuple[Engine, Engine]:
     drafting.add_request(prompt, params)
     skipping.step()  # prefill
     drafting.step()
-    skipping.scheduler.auto_skip = rounds
+    skipping.scheduler.auto_skip = {"greedy": rounds}
     for _ in range(rounds + 1):
         skipping.step()
     return skipping, drafting

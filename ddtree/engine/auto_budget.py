@@ -76,14 +76,10 @@ class AutoRound:
     candidates: np.ndarray  # [B] candidate nodes per row, root included
     auto: list[int] = field(default_factory=list)  # rows with budget "auto"
     widths: dict[int, int] = field(default_factory=dict)  # decided: auto rows' drafted nodes, by row
-    skip: int | None = None  # decided: plain rounds the auto rows take now (None: no new stretch)
+    # decided: plain rounds the auto rows take now, by their kind (None: no new stretch)
+    skip: dict[str, int] | None = None
     # decided, by row: its own plain rounds now, and the moving average of its drafts' worth
     rests: dict[int, tuple[int, float]] = field(default_factory=dict)
-
-
-def kind(r: Request) -> str:
-    """The calibration a row learns and reads: greedy and sampled acceptance differ."""
-    return "greedy" if r.params.greedy else "sampled"
 
 
 class AutoBudget:
@@ -99,14 +95,19 @@ class AutoBudget:
         self.runner = runner
         self.timed_draft = timed_draft  # seconds of a drafter pass over n idle rows (seeds the cost model)
         self.shapes = runner.shapes
-        self.scheduler = scheduler  # read only: its auto_skip, plain rounds left for auto rows
+        self.scheduler = scheduler  # read only: its auto_skip, plain rounds left for auto rows by kind
         self.cost = cost_model or CostModel()  # measured at the first auto round, then kept current
         self.calibration = AcceptanceCalibration()
         self.status = AutoStatus()
         self._costs_measured = False
         self._seeding = False  # this round ran the seeding forwards
         self._ratio = MovingRatio(RECENT)  # expected tokens/s drafting over plain, over drafting rounds
-        self._auto_backoff = 0  # length of the last stretch of plain rounds: 1, 2, 4, ... AUTO_MAX_BACKOFF
+        # By kind (``Request.auto_kind``): the length of its last stretch of plain rounds, 1, 2, 4, ...
+        # AUTO_MAX_BACKOFF. Per kind: a greedy request that arrives while sampled rows sit out a stretch
+        # drafts from its first round, and its own failed probe starts its own doubling; one stretch for all
+        # made the bench's greedy prompt after a sampled one run plain for 8-127 rounds (tau 1.0 where it
+        # drafts at 12.7).
+        self._backoff: dict[str, int] = {}
         self._first: deque[tuple[bool, bool]] = deque(maxlen=64)  # recent first drafts: (greedy, accepted)
         self._said: set[str] = set()  # the kinds of reasons to run plain already logged
 
@@ -158,7 +159,8 @@ class AutoBudget:
         # drafting: a probe decides on its own, and the rounds it resumes go on while their mean pays and
         # clear the stop's record (the doubling stretches) only once two rounds' worth of them has.
         probe = not self.status.drafting
-        suspect = self._auto_backoff > 0
+        kinds = {rows[i].auto_kind for i in auto}
+        suspect = any(self._backoff.get(k, 0) > 0 for k in kinds)
         if probe:
             self._ratio.reset()
         # Until a drafter pass has been timed its cost is a guess of 0, which made the first two rounds
@@ -169,18 +171,20 @@ class AutoBudget:
         bound = self._ratio.mean if probe or suspect else self._ratio.upper(SURE)
         if not self._ratio.samples or bound >= 1.0:  # no timed drafter pass yet: no decision
             if self._ratio.settled:
-                self._auto_backoff = 0
+                for k in kinds:
+                    self._backoff.pop(k, None)
             self._say(True, "drafting", AutoStatus.reason)
         else:  # plain rounds for a stretch: 1, 2, 4, ... up to where the probes cost PROBE_SHARE or less;
             # at once there when the first drafts are rarely accepted (the drafter does not fit the target)
             cheap = math.ceil(self.status.draft_ms / (PROBE_SHARE * self.status.plain_round_ms))
             longest = max(AUTO_MAX_BACKOFF, cheap)
             kind, why = self._why_plain(gains)
-            grown = longest if kind == "rarely accepted" else 2 * self._auto_backoff
-            self._auto_backoff = min(max(grown, 1), longest)
-            seen.skip = self._auto_backoff
+            for k in kinds:
+                grown = longest if kind == "rarely accepted" else 2 * self._backoff.get(k, 0)
+                self._backoff[k] = min(max(grown, 1), longest)
+            seen.skip = {k: self._backoff[k] for k in kinds}
             widths = [0] * len(auto)
-            self._say(False, kind, why)
+            self._say(False, kind, why, max(seen.skip.values()))
         for i, k, w in zip(auto, counts, widths, strict=True):
             sizes[i] = k + 1
             seen.widths[i] = w
@@ -225,7 +229,7 @@ class AutoBudget:
             "probe says it pays"
         )
 
-    def _say(self, drafting: bool, kind: str, reason: str) -> None:
+    def _say(self, drafting: bool, kind: str, reason: str, stretch: int = 0) -> None:
         """Record the decision; warn in words, once per kind, when running plain is a verdict rather than a
         pause: the drafter surely does not fit, or probes have failed for a whole doubling (1 + 2 + ... + 128
         rounds). A pause a probe may soon end is routine and logged at debug level: the README's quick start
@@ -234,7 +238,7 @@ class AutoBudget:
         self.status.drafting, self.status.reason = drafting, reason
         if drafting:
             return
-        lasting = kind == "rarely accepted" or self._auto_backoff >= AUTO_MAX_BACKOFF
+        lasting = kind == "rarely accepted" or stretch >= AUTO_MAX_BACKOFF
         if lasting and kind not in self._said:
             self._said.add(kind)
             logger.warning("budget auto: %s", reason)
@@ -244,7 +248,7 @@ class AutoBudget:
     def _expected_accepts(self, r: Request, seen: AutoRound, i: int) -> np.ndarray:
         """[m] P(accepted) of row i's candidate nodes, root first."""
         m = int(seen.candidates[i])
-        return tree_acceptance(self.calibration, kind(r), seen.logw[i, :m], seen.parents[i, :m])
+        return tree_acceptance(self.calibration, r.auto_kind, seen.logw[i, :m], seen.parents[i, :m])
 
     def learn(
         self, rows: list[Request], sizes: np.ndarray, seen: AutoRound | None, verdicts: Verdicts
@@ -274,7 +278,7 @@ class AutoBudget:
             tried = accepted[np.maximum(parents, 0)]  # nodes whose parent was accepted: the target saw them
             tried[0] = False
             steps = conditional_probs(seen.logw[i, :m], parents)
-            self.calibration.observe(kind(r), steps[tried], accepted[tried])
+            self.calibration.observe(r.auto_kind, steps[tried], accepted[tried])
             if i in seen.auto:
                 # node 1: the likeliest first draft
                 self._first.append((r.params.greedy, bool(seen.tokens[i, 1] == tokens[0])))
@@ -286,7 +290,7 @@ class AutoBudget:
     ) -> AutoStatus | None:
         """Count the auto rows' rounds with and without drafted nodes; a snapshot for their stats."""
         decided = seen is not None and seen.skip is not None
-        self.status.stretch = seen.skip if decided else self.scheduler.auto_skip
+        self.status.stretch = max((seen.skip if decided else self.scheduler.auto_skip).values(), default=0)
         auto = [m for r, m in zip(rows, sizes, strict=True) if r.auto]
         if not auto:
             return None

@@ -217,6 +217,12 @@ class Request:
         return self.budget == AUTO
 
     @property
+    def auto_kind(self) -> str:
+        """Which of budget auto's records this row learns from and is judged by: greedy and sampled
+        acceptance differ."""
+        return "greedy" if self.params.greedy else "sampled"
+
+    @property
     def exact(self) -> bool:
         """Its tokens must not depend on its batch or method: a seeded sample, or every request of a
         ``batch_invariant`` engine (``model.invariance``)."""
@@ -238,7 +244,7 @@ class StepOutput:
     seconds: float = 0.0  # a prefill step's wall time (a round's is recorded after its commit)
     drafted_nodes: list[int] | None = None  # a round: drafted nodes each row verified
     auto_widths: dict[int, int] = field(default_factory=dict)  # auto rows' chosen widths, by row index
-    auto_skip: int | None = None  # plain rounds the auto rows now take (None: no new stretch)
+    auto_skip: dict[str, int] | None = None  # plain rounds auto rows now take, by kind (None: no new stretch)
     auto_rests: dict[int, tuple[int, float]] = field(default_factory=dict)  # rows' own plain rounds (0:
     # draft on) and their drafts' average worth, by row
     auto_status: AutoStatus | None = None  # the auto policy after this round, for its rows' stats

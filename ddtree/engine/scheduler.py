@@ -58,7 +58,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; a round's batch keeps it
         self.requests: dict[str, Request] = {}  # every live (waiting or running) request, by id
-        self.auto_skip = 0  # rounds left in which "auto" rows run plain (set by the auto budget policy)
+        # rounds left in which "auto" rows of a kind (``Request.auto_kind``) run plain (the auto policy sets)
+        self.auto_skip: dict[str, int] = {}
         self.num_preemptions = 0
         self._prefilled_last = False
         self._ids = itertools.count()
@@ -195,7 +196,7 @@ class Scheduler:
             if delta is not None:
                 deltas.append(delta)
         if out.auto_skip is not None:
-            self.auto_skip = out.auto_skip
+            self.auto_skip.update(out.auto_skip)
         self.cache_blocks([r for r in out.rows if r.error is None])
         for r in out.rows:
             if r.output.finish_reason is not None and r.error is None:
@@ -296,10 +297,14 @@ class Scheduler:
         r.features = [torch.cat(r.features)[excess:]]  # [backlog, F * H]
 
     def drafting_this_round(self, rows: list[Request]) -> list[Request]:
-        """Of the round's rows, those whose drafter runs: "auto" rows skip it during a stretch of plain
-        rounds, and an auto row alone while it rests (``Request.auto_rest``)."""
-        drafting = [r for r in rows if r.drafts and not (r.auto and (self.auto_skip or r.auto_rest))]
-        self.auto_skip = max(self.auto_skip - 1, 0)
+        """Of the round's rows, those whose drafter runs: "auto" rows skip it during their kind's stretch of
+        plain rounds, and an auto row alone while it rests (``Request.auto_rest``)."""
+
+        def skips(r: Request) -> bool:
+            return self.auto_skip.get(r.auto_kind, 0) > 0 or r.auto_rest > 0
+
+        drafting = [r for r in rows if r.drafts and not (r.auto and skips(r))]
+        self.auto_skip = {kind: left - 1 for kind, left in self.auto_skip.items() if left > 1}
         for r in rows:
             r.auto_rest = max(r.auto_rest - 1, 0)
         return drafting

@@ -248,8 +248,17 @@ def test_a_row_whose_drafts_do_not_pay_rests_from_the_drafter_while_the_others_d
     after earlier sampled rows taught the calibration that sampled drafts are not accepted. The hot row's
     chosen nodes are worth less than its row of the drafter pass, so it leaves the pass for rounds at a
     time while the greedy row keeps drafting; both outputs stay plain decoding's (greedy, and seeded
-    sampling, issue 44)."""
-    engine = Engine.from_pretrained(budget="auto", dtype=torch.float32)
+    sampling, issue 44). The costs are given (this CPU's at two rows, about): whether a row's drafts are worth
+    its row of the pass is the policy's question, not the timing's (a loaded CI box once priced a drafter row
+    so low that the hot row never rested)."""
+    two_rows = CostModel(
+        verify=LinearCost(fixed=6e-3, per_unit=1e-4),
+        draft=LinearCost(fixed=3e-3, per_unit=2e-3),
+        overhead=LinearCost(fixed=1e-3, sloped=False),
+        frozen=True,
+    )
+    base = Engine.from_pretrained(dtype=torch.float32)
+    engine = Engine(base.target, base.runner.drafter, base.tokenizer, budget="auto", cost_model=two_rows)
     taught = np.linspace(0.0, 1.0, 20_000)
     engine.auto.calibration.observe("sampled", taught, np.zeros(taught.size, dtype=bool))
     code = json.loads(BUILTIN_PROMPTS.read_text().splitlines()[0])["prompt"]

@@ -107,9 +107,12 @@ def _read_config(directory: Path, what: str) -> dict:
         raise DDTreeError(f"{what} config {path} is not valid JSON: {exc.msg}") from None
 
 
-# Below this many parameters a CPU without native bf16 decodes faster in float32 (matmuls small enough to
-# be compute-bound, and bf16 is emulated); above it, bf16's halved weight bytes win (docs/benchmarks.md:
-# the built-in 6M-parameter pair 0.74x in bf16, Qwen3-0.6B's shapes 1.65x).
+# Below this many parameters a CPU decodes faster in float32 (matmuls small enough to be compute-bound);
+# above it, bf16's halved weight bytes win (docs/benchmarks.md: without native bf16 matmuls the built-in
+# 6M-parameter pair 0.74x in bf16, Qwen3-0.6B's shapes 1.65x). With them (AVX512-BF16) too: the built-in
+# pair's plain decoding 0.86x in bf16 greedy and 0.65x seeded at T = 0.7 (a seeded bf16 row is computed
+# batch-invariantly), and in bf16 a tree can round a near-tie another way than plain decoding does (the
+# bench's T = 0 check failed 1 of 8 prompts; float32 passes it).
 SMALL_MODEL_PARAMETERS = 100_000_000
 
 
@@ -125,9 +128,9 @@ def resolve_dtype(
     name: str | torch.dtype | None, config: dict, device: str | torch.device = "cpu"
 ) -> torch.dtype:
     """The dtype to load weights in: ``name`` (vLLM's names and aliases), or for "auto" (and None) the
-    checkpoint's own ``dtype`` / ``torch_dtype`` (float32 if absent). On a CPU without native bf16 matmuls
-    "auto" gives float32 for a small half-precision checkpoint (``SMALL_MODEL_PARAMETERS``): there half
-    precision is emulated, and only pays where the weights' bytes dominate."""
+    checkpoint's own ``dtype`` / ``torch_dtype`` (float32 if absent). On a CPU "auto" gives float32 for a
+    small half-precision checkpoint (``SMALL_MODEL_PARAMETERS``): half precision only pays there where the
+    weights' bytes dominate."""
     if isinstance(name, torch.dtype):
         return name
     if name is None or name == "auto":
@@ -137,8 +140,8 @@ def resolve_dtype(
             raise DDTreeError(
                 f"checkpoint dtype {stored!r} is not one of {', '.join(DTYPE_CHOICES[1:])}; pass a dtype"
             )
-        emulated = torch.device(device).type == "cpu" and not torch.cpu._is_avx512_bf16_supported()
-        if dtype != torch.float32 and emulated and approximate_parameters(config) < SMALL_MODEL_PARAMETERS:
+        on_cpu = torch.device(device).type == "cpu"
+        if dtype != torch.float32 and on_cpu and approximate_parameters(config) < SMALL_MODEL_PARAMETERS:
             return torch.float32
         return dtype
     dtype = _DTYPES.get(str(name).lower())

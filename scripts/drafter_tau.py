@@ -48,6 +48,11 @@ def sampling_aware_trees() -> None:
     proposer.penalised_drafts = aware
 
 
+def sem(values: list[float]) -> float:
+    """The standard error of the mean, rounded as the table prints it."""
+    return round(statistics.stdev(values) / len(values) ** 0.5, 3)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("drafters", nargs="+", help="NAME=DIR")
@@ -92,9 +97,9 @@ def main() -> None:
             diffs = [a - b for a, b in zip(v, taus[first], strict=True)]
             table[setting][name] = {
                 "tau": round(statistics.mean(v), 3),
-                "sem": round(statistics.stdev(v) / len(v) ** 0.5, 3),
+                "sem": sem(v),
                 "paired_diff": round(statistics.mean(diffs), 3),
-                "paired_sem": round(statistics.stdev(diffs) / len(diffs) ** 0.5, 3),
+                "paired_sem": sem(diffs),
                 "seconds": round(seconds[name], 1),
                 "same_text_as_" + first: sum(a == b for a, b in zip(texts[name], texts[first], strict=True)),
             }

@@ -177,9 +177,13 @@ class AcceptanceCalibration:
     def _bins(self, probs: np.ndarray) -> np.ndarray:
         return np.clip(np.searchsorted(self.edges, probs, side="right") - 1, 0, len(self.edges) - 2)
 
-    def calibrate(self, kind: str, probs: np.ndarray) -> np.ndarray:
+    def _observed(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
+        """This kind's hits and nodes per bin so far (zeros before any)."""
         zero = np.zeros_like(self._mid)
-        hits, seen = self._counts.get(kind, (zero, zero))
+        return self._counts.get(kind, (zero, zero))
+
+    def calibrate(self, kind: str, probs: np.ndarray) -> np.ndarray:
+        hits, seen = self._observed(kind)
         k = self._strength
         return ((hits + k * self._mid) / (seen + k))[self._bins(probs)]
 
@@ -189,8 +193,7 @@ class AcceptanceCalibration:
             self._counts[kind] = (keep * hits, keep * seen)
 
     def observe(self, kind: str, probs: np.ndarray, accepted: np.ndarray) -> None:
-        zero = np.zeros_like(self._mid)
-        hits, seen = self._counts.get(kind, (zero, zero))
+        hits, seen = self._observed(kind)
         b, n = self._bins(probs), self._mid.size
         self._counts[kind] = (
             hits + np.bincount(b, weights=accepted.astype(float), minlength=n),

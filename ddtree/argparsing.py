@@ -104,7 +104,7 @@ def add_load_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="weights and KV cache; auto = the checkpoint's (float32 for small bf16/fp16 "
-                   "checkpoints on a CPU without native bf16 matmuls, where it is faster)")  # fmt: skip
+                   "checkpoints (under 100M parameters) on a CPU, where it is faster)")  # fmt: skip
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let a tokenizer that ships as code in the target's directory (Kimi's) run it; "
                    "the model always runs transformers' own classes")  # fmt: skip

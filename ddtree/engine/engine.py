@@ -176,8 +176,8 @@ class Engine:
         """Load a target (and drafter) from local directories; with neither, the built-in pair. ``config``
         and ``options`` as for ``Engine``, checked before any weight is read.
 
-        ``dtype`` "auto" is the checkpoint's, except a small bf16 / fp16 model on a CPU without native bf16
-        matmuls, where float32 is faster (``docs/models.md``).
+        ``dtype`` "auto" is the checkpoint's, except a small (under 100M parameters) bf16 / fp16 model on a
+        CPU, which loads as float32, where it is faster (``docs/models.md``).
 
         ``tensor_parallel_size`` N > 1 shards the target over N ranks (``ddtree.engine.launch``): this
         process is rank 0 and spawns ranks 1..N-1 (gloo on the CPU; NCCL on GPUs 0..N-1), or, started by

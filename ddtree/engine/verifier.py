@@ -232,7 +232,8 @@ class Verifier:
         if self.keyed:
             keys, positions = key_positions(rows, device, bp)
             coins = coins_at(keys[:, None], positions[:, None] + trees.depths)  # [Bp, Np]: a node's position
-            return self.law_of(params, coins, None, graph)
+            law = self.law_of(params, coins, None, graph)
+            return law if graph else law.of_trees(params, sizes)
         coins, finals = tree_coins(rows, sizes, (bp, n), device)
         return self.law_of(params, coins, finals, graph)
 

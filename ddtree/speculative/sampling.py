@@ -17,7 +17,7 @@ the engine runs it only for lossy thresholds below 1, which are SGLang's semanti
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -55,6 +55,19 @@ class SamplingTensors:
             max_top_k=max(p.top_k for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
             any_min_p=any(p.min_p > 0.0 for p in params),
+        )
+
+    def take(self, rows: torch.Tensor) -> SamplingTensors:
+        """These rows' parameters ([R] indices into this batch's rows; repeats allowed): a row per tree
+        node, for filtering the nodes of a ragged batch flattened."""
+        return SamplingTensors(
+            self.temperature[rows],
+            self.top_k[rows],
+            self.top_p[rows],
+            self.min_p[rows],
+            self.max_top_k,
+            self.any_top_p,
+            self.any_min_p,
         )
 
 
@@ -124,6 +137,12 @@ class TargetLaw:
     sampled_rows: torch.Tensor | None = None
     # whether any row may be greedy (host): a bucket's graph serves any mix, so it is True there
     any_greedy: bool = True
+    # eager calls over a batch of trees: the sampled rows' real nodes, flat in the batch's [B * N] nodes, and
+    # each one's row of ``sampling`` ([M] int64 each; ``of_trees``). Padding past a shorter tree is not
+    # filtered: at 16 rows the filters cost ~0.1 ms a node (top-p), and a batch pads every row to its widest
+    # tree, so the sampled rows of a mix whose greedy rows draft 8 nodes each filtered 9 nodes for 1.
+    tree_nodes: torch.Tensor | None = None
+    tree_rows: torch.Tensor | None = None
 
     @classmethod
     def of(
@@ -152,6 +171,16 @@ class TargetLaw:
         any_greedy = bool(greedy.any()) or bool(every_filter)  # a graph's law serves any mix
         return cls(upload(greedy, device), sampling, coins, finals, *thresholds, rows, any_greedy)
 
+    def of_trees(self, params: list[SamplingParams], sizes: np.ndarray) -> TargetLaw:
+        """This law (eager, without ``every_filter``) for trees of ``sizes`` [B] nodes in a batch ``coins``
+        is as wide as (N): ``emit_tree`` then filters the sampled rows' real nodes only."""
+        n = self.coins.shape[1]
+        sampled = [(i, int(m)) for i, (p, m) in enumerate(zip(params, sizes, strict=False)) if not p.greedy]
+        nodes = np.concatenate([i * n + np.arange(m) for i, m in sampled])  # [M]
+        order = np.repeat(np.arange(len(sampled)), [m for _, m in sampled])  # [M] the node's sampled row
+        both = upload(np.stack((nodes, order)), self.coins.device)  # [2, M]
+        return replace(self, tree_nodes=both[0], tree_rows=both[1])
+
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """SGLang's rule: each row's law at these nodes, logits [B, M, V] -> float32 [B, M, V] (greedy rows:
         one-hot at the argmax)."""
@@ -162,6 +191,19 @@ class TargetLaw:
         if rows is None:
             return torch.where(self.greedy[:, None, None], one_hot, filtered_probs(logits, self.sampling))
         return one_hot.index_copy(0, rows, filtered_probs(logits[rows], self.sampling))
+
+    def emit_tree(self, logits: torch.Tensor) -> torch.Tensor:
+        """The engine's rule over whole trees: the token each row emits at each node, logits [B, N, V] at
+        ``coins`` [B, N] -> [B, N] (a sampled row's padding: any token, never read)."""
+        nodes = self.tree_nodes
+        if nodes is None:
+            return self.emit(logits, self.coins)
+        b, n, vocab = logits.shape
+        flat = logits.reshape(b * n, vocab)
+        probs = filtered_probs(flat[nodes][:, None], self.sampling.take(self.tree_rows))[:, 0]  # [M, V]
+        sampled = inverse_cdf(probs, self.coins.reshape(-1)[nodes].float())  # [M]
+        base = flat.argmax(dim=-1) if self.any_greedy else sampled.new_zeros(b * n)
+        return base.index_copy(0, nodes, sampled).view(b, n)
 
     def emit(self, logits: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
         """The engine's rule: the token each row emits at these nodes, logits [B, M, V] at coins [B, M] ->

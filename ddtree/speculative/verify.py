@@ -181,5 +181,5 @@ def tree_verdicts(
             logits_at(cur), law, None if coins is None else coins[rows, cur][:, None]
         )[:, 0]
         return walk_paths(trees.tokens, children, emit_at, depth)
-    tokens = emitted(every, law, None if law is None else law.coins)  # [B, N]
+    tokens = every.argmax(dim=-1) if law is None else law.emit_tree(every)  # [B, N]
     return match_paths(trees.tokens, trees.depths, trees.parents, trees.valid, tokens, depth)

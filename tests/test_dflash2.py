@@ -322,7 +322,7 @@ def test_a_sampled_rows_lattice_edges_are_the_whole_vocabularys_conditional(buil
     logits = hidden[:, 1:] @ head.T  # [2, L, V] the LM head's, as the engine passes them
     anchors = torch.tensor([7, 9])
     plain_ids, plain_edges = drafter.lattice(hidden[:, 1:], logits, anchors)
-    ids, edges = drafter.lattice(hidden[:, 1:], logits, anchors, torch.tensor([True, False]))
+    ids, edges = drafter.lattice(hidden[:, 1:], logits, anchors, [0])
     assert torch.equal(ids, plain_ids) and torch.equal(edges[1], plain_edges[1])
     scores = drafter.edge_scores(hidden, ids, drafter.draft_logits(logits).gather(-1, ids), anchors)
     drafted = drafter.draft_logits(logits)[0].double()  # [L, V]

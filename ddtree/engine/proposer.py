@@ -234,9 +234,8 @@ class Proposer:
         logits = grammar_first_level(drafting, logits)
         if lattice:  # ids [D, depth, K], vals: edge log-probs [D, depth, K, K]
             anchors = shapes.inputs.upload(np.array([r.root for r in drafting]))  # [D]
-            sampled = np.array([not r.params.greedy for r in drafting])  # [D]: edges over the vocabulary
-            whole = shapes.inputs.upload(sampled) if sampled.any() else None
-            ids, vals = runner.drafter.lattice(hidden[:, :depth], logits, anchors, whole)
+            sampled = [i for i, r in enumerate(drafting) if not r.params.greedy]  # edges over the vocabulary
+            ids, vals = runner.drafter.lattice(hidden[:, :depth], logits, anchors, sampled or None)
         else:
             vals, ids = draft_candidates(logits, k)  # [D, depth, K] each
         if len(drafting) < bp:  # rows that do not draft this round get candidates they never read

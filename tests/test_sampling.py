@@ -652,7 +652,7 @@ def test_sort_free_filters_equal_the_full_sort(vocab, chunk, monkeypatch):
     difference <= 1e-6) on random, tied (few distinct logits), flat, peaked and bf16-rounded logits; also
     with the nucleus computed a few rows at a time (``chunk`` entries per call)."""
     if chunk is not None:
-        monkeypatch.setattr(sampling_module, "NUCLEUS_CHUNK_ENTRIES", chunk)
+        monkeypatch.setattr(sampling_module, "CPU_NUCLEUS_CHUNK_ENTRIES", chunk)
     for seed in range(60):
         rng = random.Random(seed)
         gen = torch.Generator().manual_seed(seed)

@@ -173,10 +173,10 @@ class TargetLaw:
         return cls(upload(greedy, device), sampling, coins, finals, *thresholds, rows, any_greedy)
 
     def of_trees(self, params: list[SamplingParams], sizes: np.ndarray) -> TargetLaw:
-        """This law (eager, without ``every_filter``) for trees of ``sizes`` [B] nodes in a batch ``coins``
-        is as wide as (N): ``emit_tree`` then filters the sampled rows' real nodes only."""
+        """This law (eager, no ``every_filter``) for a batch of trees with ``sizes`` [B] real nodes, padded
+        to the width of ``coins`` (N): ``emit_tree`` then filters the sampled rows' real nodes only."""
         n = self.coins.shape[1]
-        sampled = [(i, int(m)) for i, (p, m) in enumerate(zip(params, sizes, strict=False)) if not p.greedy]
+        sampled = [(i, int(m)) for i, (p, m) in enumerate(zip(params, sizes, strict=True)) if not p.greedy]
         nodes = np.concatenate([i * n + np.arange(m) for i, m in sampled])  # [M]
         order = np.repeat(np.arange(len(sampled)), [m for _, m in sampled])  # [M] the node's sampled row
         both = upload(np.stack((nodes, order)), self.coins.device)  # [2, M]

@@ -99,7 +99,7 @@ def filtered_probs(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Ten
         return probs
     if sampling.any_top_p:  # rows with top_p = 1 keep every token with mass (nothing is <= 0 but zeros)
         top_p = sampling.top_p[:, None].expand(b, n).reshape(-1)  # [B * N]
-        entries = NUCLEUS_CHUNK_ENTRIES if probs.is_cuda else CPU_NUCLEUS_CHUNK_ENTRIES
+        entries = CPU_NUCLEUS_CHUNK_ENTRIES if probs.device.type == "cpu" else NUCLEUS_CHUNK_ENTRIES
         rows = max(1, entries // vocab)  # row chunks bound the histograms' scratch memory
         flat = probs.view(b * n, vocab)
         keep = torch.cat(

@@ -11,9 +11,9 @@ Usage: python scripts/lattice_real_shapes.py [--rows 1,16] [--repeats 10]
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from torch.utils import benchmark
 from transformers import Qwen3Config
 
 from ddtree.speculative.dflash2 import DFlash2Drafter
@@ -24,12 +24,8 @@ SELECTOR = {"conv_kernel_size": 4, "conv_group_size": 32, "selector_rank": 32, "
 
 
 def milliseconds(call, repeats: int) -> float:
-    for _ in range(3):
-        call()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        call()
-    return 1e3 * (time.perf_counter() - start) / repeats
+    """Mean milliseconds of ``call()`` over ``repeats`` runs, after torch's timer's own warm-up."""
+    return 1e3 * benchmark.Timer("call()", globals={"call": call}).timeit(repeats).mean
 
 
 def main() -> None:

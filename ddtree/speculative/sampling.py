@@ -138,12 +138,11 @@ class TargetLaw:
     sampled_rows: torch.Tensor | None = None
     # whether any row may be greedy (host): a bucket's graph serves any mix, so it is True there
     any_greedy: bool = True
-    # eager calls over a batch of trees: the sampled rows' real nodes, flat in the batch's [B * N] nodes, and
-    # each one's row of ``sampling`` ([M] int64 each; ``of_trees``). Padding past a shorter tree is not
-    # filtered: at 16 rows the filters cost ~0.1 ms a node (top-p), and a batch pads every row to its widest
-    # tree, so the sampled rows of a mix whose greedy rows draft 8 nodes each filtered 9 nodes for 1.
-    tree_nodes: torch.Tensor | None = None
-    tree_rows: torch.Tensor | None = None
+    # eager calls over a batch of trees: each row's real nodes, greedy rows 0 ([B] on the host; ``of_trees``).
+    # Padding past a sampled row's shorter tree is not filtered: at 16 rows the filters cost ~0.1 ms a node
+    # (top-p), and a batch pads every row to its widest tree, so the sampled rows of a mix whose greedy rows
+    # draft 8 nodes each filtered 9 nodes for 1.
+    tree_sizes: np.ndarray | None = None
 
     @classmethod
     def of(
@@ -177,14 +176,9 @@ class TargetLaw:
         to the width of ``coins`` (N): ``emit_tree`` then filters the sampled rows' real nodes only. Itself
         when no sampled row is padded: gathering their nodes would copy the logits (at V = 151,936 and 16 x
         17 nodes, 165 MB) for nothing, as ``emit`` filters those rows whole."""
-        n = self.coins.shape[1]
-        sampled = [(i, int(m)) for i, (p, m) in enumerate(zip(params, sizes, strict=True)) if not p.greedy]
-        if all(m == n for _, m in sampled):
-            return self
-        nodes = np.concatenate([i * n + np.arange(m) for i, m in sampled])  # [M]
-        order = np.repeat(np.arange(len(sampled)), [m for _, m in sampled])  # [M] the node's sampled row
-        both = upload(np.stack((nodes, order)), self.coins.device)  # [2, M]
-        return replace(self, tree_nodes=both[0], tree_rows=both[1])
+        real = np.array([0 if p.greedy else int(m) for p, m in zip(params, sizes, strict=True)])  # [B]
+        padded = ((real > 0) & (real < self.coins.shape[1])).any()
+        return replace(self, tree_sizes=real) if padded else self
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """SGLang's rule: each row's law at these nodes, logits [B, M, V] -> float32 [B, M, V] (greedy rows:
@@ -199,13 +193,18 @@ class TargetLaw:
 
     def emit_tree(self, logits: torch.Tensor) -> torch.Tensor:
         """The engine's rule over whole trees: the token each row emits at each node, logits [B, N, V] at
-        ``coins`` [B, N] -> [B, N] (a sampled row's padding: any token, never read)."""
-        nodes = self.tree_nodes
-        if nodes is None:
+        ``coins`` [B, N] -> [B, N] (a sampled row's padding: any token, never read). Only here, where the
+        head covers every node at once, are the real nodes looked up (a walk visits real nodes only)."""
+        sizes = self.tree_sizes
+        if sizes is None:
             return self.emit(logits, self.coins)
         b, n, vocab = logits.shape
+        rows = np.flatnonzero(sizes)  # the sampled rows, in ``sampling``'s order
+        flat_nodes = np.concatenate([i * n + np.arange(sizes[i]) for i in rows])  # [M] in [B * N]
+        order = np.repeat(np.arange(rows.size), sizes[rows])  # [M] each node's row of ``sampling``
+        nodes, of_row = upload(np.stack((flat_nodes, order)), logits.device)  # [M] each
         flat = logits.reshape(b * n, vocab)
-        probs = filtered_probs(flat[nodes][:, None], self.sampling.take(self.tree_rows))[:, 0]  # [M, V]
+        probs = filtered_probs(flat[nodes][:, None], self.sampling.take(of_row))[:, 0]  # [M, V]
         sampled = inverse_cdf(probs, self.coins.reshape(-1)[nodes].float())  # [M]
         base = flat.argmax(dim=-1) if self.any_greedy else sampled.new_zeros(b * n)
         return base.index_copy(0, nodes, sampled).view(b, n)

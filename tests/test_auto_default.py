@@ -24,6 +24,7 @@ from ddtree.speculative.budget import (
     rate_upper,
     tree_acceptance,
 )
+from ddtree.speculative.tree import TreeBatch
 from tests.conftest import tiny_drafter, tiny_target
 
 BIG_VOCAB = 2048  # a random drafter's first token matches the target's about once in this many rounds
@@ -196,6 +197,43 @@ def test_a_first_draft_that_was_not_verified_still_teaches_the_calibration(commi
     assert count[at] == 1 and hits[at] == hit
     assert count.sum() == 1  # the sibling (0.2) is not observed
     assert engine.auto.status.first_drafts == 1 and engine.auto.status.first_drafts_accepted == hit
+
+
+@pytest.mark.parametrize(
+    ("committed", "accepted", "resumes"), [([7, 9, 4], [0, 1, 2], True), ([8], [0], False)]
+)
+def test_a_probe_whose_own_verdicts_make_its_pick_pay_calls_off_the_stretch_it_started(
+    committed, accepted, resumes
+):
+    """A probe prices its pick before the target speaks, at the drafter's word: a chain drafted at 0.52 a
+    step is worth 1.8 tokens where a round with a drafter pass must bring 2 to match plain decoding, so it
+    starts a stretch, and still verifies the pick (its drafter pass is paid for). Both nodes accepted: priced
+    again with that learned (0.68 a step), the pick pays, and drafting resumes next round with the doubling
+    as it was. The first node missed: the stretch stands."""
+    costs = CostModel(verify=LinearCost(fixed=1e-2), draft=LinearCost(fixed=1e-2), overhead=LinearCost())
+    costs.frozen = True  # a plain round 10 ms for 1 token; a drafting round 20 ms
+    target = tiny_target(vocab=BIG_VOCAB)
+    engine = Engine(target, tiny_drafter(target), cost_model=costs)
+    engine.add_request([3, 4, 5], SamplingParams(max_new_tokens=8))
+    engine.step()  # the prefill
+    row = engine.running[0]
+    engine.auto.status.drafting = False  # this round is a probe
+    steps = np.array([1.0, 0.52, 0.52])
+    trees = TreeBatch(
+        tokens=torch.tensor([[5, 7, 9]]),
+        depths=torch.tensor([[0, 1, 2]]),
+        parents=torch.tensor([[-1, 0, 1]]),
+        logw=torch.tensor(np.log(np.cumprod(steps))[None], dtype=torch.float32),
+        sizes=np.array([3]),
+        depth=2,
+    )
+    cut, seen = engine.auto.choose([row], trees, 1)
+    assert seen.skip == {"greedy": 1} and not engine.auto.status.drafting  # priced under plain decoding
+    assert cut.sizes.tolist() == [3] and seen.widths == {0: 2}  # the stop verifies its pick
+    engine.auto.learn([row], cut.sizes, seen, Verdicts([committed], [accepted], [None], [None]))
+    assert engine.auto.status.drafting == resumes
+    assert seen.skip == (None if resumes else {"greedy": 1})
+    assert engine.auto._backoff.get("greedy", 0) == (0 if resumes else 1)
 
 
 def test_the_readmes_quick_start_drafts_and_warns_of_nothing(capsys, caplog):

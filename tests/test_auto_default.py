@@ -208,8 +208,8 @@ def test_a_probe_whose_own_verdicts_make_its_pick_pay_calls_off_the_stretch_it_s
     """A probe prices its pick before the target speaks, at the drafter's word: a chain drafted at 0.52 a
     step is worth 1.8 tokens where a round with a drafter pass must bring 2 to match plain decoding, so it
     starts a stretch, and still verifies the pick (its drafter pass is paid for). Both nodes accepted: priced
-    again with that learned (0.68 a step), the pick pays, and drafting resumes next round with the doubling
-    as it was. The first node missed: the stretch stands."""
+    again with that learned (0.68 a step), the pick pays, the probe's rule (the ratio itself) says draft, and
+    drafting goes on next round with the doubling as it was. The first node missed: the stretch stands."""
     costs = CostModel(verify=LinearCost(fixed=1e-2), draft=LinearCost(fixed=1e-2), overhead=LinearCost())
     costs.frozen = True  # a plain round 10 ms for 1 token; a drafting round 20 ms
     target = tiny_target(vocab=BIG_VOCAB)

@@ -6,13 +6,13 @@ where the engine feeds it what it measured and acts on its answer.
 When the chosen trees surely stop paying against rounds without the drafter (the upper confidence bound of a
 moving average over drafting rounds: one round's ratio follows how sure the drafter is at that one position),
 auto rows run plain rounds for a stretch, then probe again. The round that stops, and every probe, still
-verifies the pick it priced: its drafter pass is paid for, and the pick beats verifying nothing. A probe
-decides before the target speaks, then prices its pick again with its own verdicts learned, and calls its
-stretch off when that pays. It learns even when it verifies nothing: whether the target's next token equals
-the drafter's likeliest first token is exactly whether that node would have been accepted, greedy or
-sampled. Stretches double while probes fail (1, 2, 4, ...), and may grow until probes cost at most
-``PROBE_SHARE`` of the plain rounds between them, so a drafter that never pays costs a few percent, not a
-multiple.
+verifies the pick it priced: its drafter pass is paid for, and the pick beats verifying nothing. It decided
+before the target spoke: it prices its pick again with its own verdicts learned, and calls its stretch off
+when the same decision then goes the other way. A probe learns even when it verifies nothing: whether the
+target's next token equals the drafter's likeliest first token is exactly whether that node would have been
+accepted, greedy or sampled. Stretches double while probes fail (1, 2, 4, ...), and may grow until probes
+cost at most ``PROBE_SHARE`` of the plain rounds between them, so a drafter that never pays costs a few
+percent, not a multiple.
 
 While drafting goes on, a row whose chosen nodes are expected to bring fewer tokens than its row of the
 drafter pass costs (at the round's tokens per second; a moving average over its drafting rounds) and fewer
@@ -83,21 +83,24 @@ class AutoRound:
     skip: dict[str, int] | None = None
     # decided, by row: its own plain rounds now, and the moving average of its drafts' worth
     rests: dict[int, tuple[int, float]] = field(default_factory=dict)
-    # a probe that started a stretch: what its choice priced, for ``AutoBudget.learn`` to price again with
-    # the probe's own verdicts in the calibration (None: not a probe, or it resumed drafting)
-    probe: ProbePrice | None = None
+    # a round that started a stretch: how it decided, for ``AutoBudget.learn`` to decide again with the
+    # round's own verdicts in the calibration (None: no new stretch, or it was called off)
+    stop: Stop | None = None
 
 
 @dataclass
-class ProbePrice:
-    """A probe's pick and its price: ``counts`` drafted nodes per auto row (``AutoRound.auto`` order), the
-    tokens the other rows bring (``base``), the round's predicted seconds and plain decoding's tokens/s, and
-    each kind's stretch length before the probe doubled it."""
+class Stop:
+    """How a round decided to start a stretch: its pick (``counts`` drafted nodes per auto row, in
+    ``AutoRound.auto`` order), the tokens the other rows bring (``base``), the round's predicted seconds and
+    plain decoding's tokens/s, the moving ratio before this round's sample, whether its mean decided (a probe,
+    or rounds after a stop) rather than its upper bound, and each kind's stretch before it doubled."""
 
     counts: list[int]
     base: float
     seconds: float
     plain_rate: float
+    ratio: MovingRatio
+    by_mean: bool
     backoff: dict[str, int]
 
 
@@ -182,6 +185,7 @@ class AutoBudget:
         suspect = any(self._backoff.get(k, 0) > 0 for k in kinds)
         if probe:
             self._ratio.reset()
+        before = replace(self._ratio)
         # Until a drafter pass has been timed its cost is a guess of 0, which made the first two rounds
         # look 4x better than the rest and kept the average up for nine rounds at T = 1 and 16 rows.
         if self.cost.frozen or self.cost.draft.observed:
@@ -197,10 +201,9 @@ class AutoBudget:
             cheap = math.ceil(self.status.draft_ms / (PROBE_SHARE * self.status.plain_round_ms))
             longest = max(AUTO_MAX_BACKOFF, cheap)
             kind, why = self._why_plain(gains)
-            if probe:
-                before = {k: self._backoff.get(k, 0) for k in kinds}
-                priced = float(seconds(np.array(sum(counts)), np.array(widest)))
-                seen.probe = ProbePrice(list(counts), base, priced, plain_rate, before)
+            priced = float(seconds(np.array(sum(counts)), np.array(widest)))
+            stretches = {k: self._backoff.get(k, 0) for k in kinds}
+            seen.stop = Stop(list(counts), base, priced, plain_rate, before, probe or suspect, stretches)
             for k in kinds:
                 grown = longest if kind == "rarely accepted" else 2 * self._backoff.get(k, 0)
                 self._backoff[k] = min(max(grown, 1), longest)
@@ -283,34 +286,34 @@ class AutoBudget:
         self.calibration.forget(CALIBRATION_KEEP)  # every round: the text moves on in plain rounds too
         if seen is not None:
             self._calibrate(rows, sizes, seen, verdicts)
-            if seen.probe is not None:
-                self._price_probe_again(rows, seen)
+            if seen.stop is not None:
+                self._decide_again(rows, seen)
         return self._record_rounds(rows, sizes, seen)
 
-    def _price_probe_again(self, rows: list[Request], seen: AutoRound) -> None:
-        """A probe decided before the target spoke. Its verdicts are now in the calibration: priced again
-        with them, the same pick may pay, and then the stretch it started is called off (drafting resumes
-        next round, the doubling as it was). An under-confident drafter (trained on the target's
-        distribution, it says 0.2-0.6 where the target takes its drafts) otherwise saw probe after probe
-        accepted and priced under plain decoding: on the README's quick start it ran 31-96 plain rounds in
-        5 of 6 runs. One lucky hit moves a fresh calibration bin a fifth of the way (its prior weighs 4
-        nodes)."""
-        price = seen.probe
-        gain = price.base + sum(
+    def _decide_again(self, rows: list[Request], seen: AutoRound) -> None:
+        """A round that started a stretch decided before the target spoke. Its verdicts are now in the
+        calibration: priced again with them, the same pick may pay, and when the same rule (the moving
+        ratio's mean or upper bound) then says so, the stretch is called off (drafting goes on next round,
+        the doubling as it was). An under-confident drafter (trained on the target's distribution, it says
+        0.2-0.6 where the target takes its drafts) otherwise saw probe after probe accepted and priced under
+        plain decoding: on the README's quick start it ran 31-96 plain rounds in 5 of 6 runs. One lucky hit
+        moves a fresh calibration bin a fifth of the way (its prior weighs 4 nodes)."""
+        stop = seen.stop
+        gain = stop.base + sum(
             self._expected_accepts(rows[i], seen, i)[1 : k + 1].sum()
-            for i, k in zip(seen.auto, price.counts, strict=True)
+            for i, k in zip(seen.auto, stop.counts, strict=True)
         )
-        ratio = gain / price.seconds / price.plain_rate
-        if ratio < 1.0:
+        ratio = replace(stop.ratio)
+        ratio.add(gain / stop.seconds / stop.plain_rate)
+        if (ratio.mean if stop.by_mean else ratio.upper(SURE)) < 1.0:
             return
-        for k, n in price.backoff.items():
+        for k, n in stop.backoff.items():
             if n:
                 self._backoff[k] = n
             else:
                 self._backoff.pop(k)
-        self._ratio.reset()
-        self._ratio.add(ratio)
-        seen.skip, seen.probe = None, None
+        self._ratio = ratio
+        seen.skip, seen.stop = None, None
         self._say(True, "drafting", AutoStatus.reason)
 
     def _calibrate(self, rows: list[Request], sizes: np.ndarray, seen: AutoRound, verdicts: Verdicts) -> None:

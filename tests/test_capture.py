@@ -289,10 +289,12 @@ def test_stage_timing_is_opt_in(eager: Engine, monkeypatch):
 
 
 def test_auto_rows_catch_up_a_long_backlog_with_repeated_fixed_passes(eager: Engine):
-    """A cost where drafting never pays: "auto" rows run plain for 1, 2, 4, ... 16 rounds and probe in
-    between; a backlog longer than the pass's one-block context takes several passes, and the probes'
-    drafts are still accepted (the drafter's cache caught up exactly)."""
-    cost = CostModel(verify=LinearCost(1.0, 0.001), draft=LinearCost(5.0, 0.0), frozen=True)
+    """A cost where drafting never pays (a drafter pass costs 50 plain rounds, so even a whole block
+    accepted loses; at 5 a probe that took 16 nodes paid, and its stretch was rightly called off): "auto"
+    rows run plain for 1, 2, 4, ... 16 rounds and probe in between; a backlog longer than the pass's
+    one-block context takes several passes, and the probes' drafts are still accepted (the drafter's cache
+    caught up exactly)."""
+    cost = CostModel(verify=LinearCost(1.0, 0.001), draft=LinearCost(50.0, 0.0), frozen=True)
     padded = sibling(
         eager,
         budget="auto",

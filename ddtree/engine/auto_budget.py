@@ -90,12 +90,11 @@ class AutoRound:
 
 @dataclass
 class Stop:
-    """How a round decided to start a stretch: its pick (``counts`` drafted nodes per auto row, in
-    ``AutoRound.auto`` order), the tokens the other rows bring (``base``), the round's predicted seconds and
-    plain decoding's tokens/s, the moving ratio before this round's sample, whether its mean decided (a probe,
-    or rounds after a stop) rather than its upper bound, and each kind's stretch before it doubled."""
+    """How a round decided to start a stretch (its pick is ``AutoRound.widths``): the tokens the other
+    rows bring (``base``), the round's predicted seconds and plain decoding's tokens/s, the moving ratio
+    before this round's sample, whether its mean decided (a probe, or rounds after a stop) rather than its
+    upper bound, and each kind's stretch before it doubled."""
 
-    counts: list[int]
     base: float
     seconds: float
     plain_rate: float
@@ -169,7 +168,8 @@ class AutoBudget:
         counts = choose_counts(probs, gains, base, seconds)
         chosen_gain = base + sum(g[:k].sum() for g, k in zip(gains, counts, strict=True))
         widest = max(counts, default=0)
-        rate = chosen_gain / seconds(np.array(sum(counts)), np.array(widest))
+        priced = float(seconds(np.array(sum(counts)), np.array(widest)))
+        rate = chosen_gain / priced
         plain_seconds = float(self.cost.round_seconds(b * widest_fixed, draft_rows - len(auto)))
         plain_rate = base / plain_seconds
         self.status.draft_ms = 1e3 * float(self.cost.draft.predict(len(auto)))
@@ -201,9 +201,8 @@ class AutoBudget:
             cheap = math.ceil(self.status.draft_ms / (PROBE_SHARE * self.status.plain_round_ms))
             longest = max(AUTO_MAX_BACKOFF, cheap)
             kind, why = self._why_plain(gains)
-            priced = float(seconds(np.array(sum(counts)), np.array(widest)))
             stretches = {k: self._backoff.get(k, 0) for k in kinds}
-            seen.stop = Stop(list(counts), base, priced, plain_rate, before, probe or suspect, stretches)
+            seen.stop = Stop(base, priced, plain_rate, before, probe or suspect, stretches)
             for k in kinds:
                 grown = longest if kind == "rarely accepted" else 2 * self._backoff.get(k, 0)
                 self._backoff[k] = min(max(grown, 1), longest)
@@ -300,8 +299,7 @@ class AutoBudget:
         moves a fresh calibration bin a fifth of the way (its prior weighs 4 nodes)."""
         stop = seen.stop
         gain = stop.base + sum(
-            self._expected_accepts(rows[i], seen, i)[1 : k + 1].sum()
-            for i, k in zip(seen.auto, stop.counts, strict=True)
+            self._expected_accepts(rows[i], seen, i)[1 : k + 1].sum() for i, k in seen.widths.items()
         )
         ratio = replace(stop.ratio)
         ratio.add(gain / stop.seconds / stop.plain_rate)
